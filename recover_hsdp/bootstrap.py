@@ -1,0 +1,101 @@
+"""Process model: one MPI rank per device; a torch.distributed world per replica.
+
+Replica ``r = world_rank // S`` and shard index ``s = world_rank % S``. The replica's shard-0 rank
+opens a TCPStore on a free port; its address travels to the other S-1 ranks over MPI, and the
+S ranks form the replica's own torch.distributed world (gloo on CPU, NCCL on GPU). TorchTitan
+only ever sees that world: FSDP2 shards the model over the replica's S ranks. Everything that
+crosses replicas goes through MPI (see :mod:`recover_hsdp.collectives`).
+
+Call :func:`bootstrap_replica` once per process, before TorchTitan builds its Trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from recover_hsdp.mpi_env import MPI
+
+_LAYOUT: "ReplicaLayout | None" = None
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where this process sits: world rank, replica id, shard index, and the sizes."""
+
+    world_rank: int
+    world_size: int
+    ranks_per_replica: int
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.ranks_per_replica
+
+    @property
+    def replica(self) -> int:
+        return self.world_rank // self.ranks_per_replica
+
+    @property
+    def shard(self) -> int:
+        return self.world_rank % self.ranks_per_replica
+
+
+@dataclass
+class ReplicaWorld:
+    """The replica's torch.distributed bootstrap: its TCPStore (kept alive) and layout."""
+
+    layout: ReplicaLayout
+    store: dist.Store
+
+
+def current_layout() -> ReplicaLayout:
+    if _LAYOUT is None:
+        raise RuntimeError("recover_hsdp.bootstrap.bootstrap_replica() has not run in this process")
+    return _LAYOUT
+
+
+def _store_host() -> str:
+    host = os.environ.get("RECOVER_HSDP_STORE_HOST")
+    if host:
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def bootstrap_replica(ranks_per_replica: int, timeout_s: float = 300.0,
+                      comm=None) -> ReplicaWorld:
+    """Create this replica's TCPStore over MPI and set the env TorchTitan reads.
+
+    Every rank of ``comm`` (default COMM_WORLD) must call it. Returns the store to pass to
+    ``init_process_group``; the replica's shard-0 rank hosts it.
+    """
+    global _LAYOUT
+    comm = comm or MPI.COMM_WORLD
+    from recover_hsdp.config import check_world_size
+
+    check_world_size(comm.Get_size(), ranks_per_replica)
+    layout = ReplicaLayout(comm.Get_rank(), comm.Get_size(), ranks_per_replica)
+    replica_comm = comm.Split(color=layout.replica, key=layout.shard)
+    try:
+        if layout.shard == 0:
+            host = _store_host()
+            store = dist.TCPStore(host, 0, ranks_per_replica, is_master=True,
+                                  timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+            address = replica_comm.bcast((host, store.port), root=0)
+        else:
+            host, port = replica_comm.bcast(None, root=0)
+            store = dist.TCPStore(host, port, ranks_per_replica, is_master=False,
+                                  timeout=timedelta(seconds=timeout_s))
+            address = (host, port)
+    finally:
+        replica_comm.Free()
+    os.environ.update(RANK=str(layout.shard), WORLD_SIZE=str(ranks_per_replica),
+                      MASTER_ADDR=address[0], MASTER_PORT=str(address[1]))
+    _LAYOUT = layout
+    return ReplicaWorld(layout, store)

@@ -1,0 +1,142 @@
+"""The ``[recover]`` TOML section: a TorchTitan JobConfig extension.
+
+TorchTitan merges this module's ``JobConfig`` into its own when a config sets
+``[job] custom_config_module = "recover_hsdp.config"`` (or ``--job.custom_config_module``).
+Every field is also a ``--recover.<field>`` command-line override. ``enable = false`` gives
+exactly stock TorchTitan behaviour.
+
+Validation happens once, at start-up, in :func:`validate`; every error is one line that names the
+field and the fix (:class:`ConfigError`).
+"""
+
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python < 3.11
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. ``str(err)`` is one line naming the field and the fix."""
+
+
+@dataclass
+class Recover:
+    enable: bool = False
+    """Train with ReCoVer: one MPI rank per device, replicas of ``ranks_per_replica`` FSDP ranks,
+    cross-replica gradient reduce through fault-tolerant MPI. False: stock TorchTitan."""
+
+    ranks_per_replica: int = 1
+    """S, the FSDP shard degree inside one replica (its torch.distributed world). The number of
+    replicas R is the MPI world size divided by S. A replica lives or dies as a unit."""
+
+    data_seed: int = 0
+    """Seed of the fixed shuffle of the local corpus's packed sequences (a different seed gives
+    a different data order with the same statistics)."""
+
+    save_final_params: bool = False
+    """At the end of the run write the full (unsharded) parameters to ``final_params.pt`` in
+    ``job.dump_folder`` (used by the equivalence tests; costs one gather of the model)."""
+
+    check_replica_consistency: bool = True
+    """After every step compare a checksum of each parameter shard across replicas and stop with
+    an error if replicas diverged (cheap: one float per rank)."""
+
+
+@dataclass
+class JobConfig:
+    """TorchTitan JobConfig extension adding the ``[recover]`` section."""
+
+    recover: Recover = field(default_factory=Recover)
+
+
+def recover_field_names() -> list[str]:
+    return [f.name for f in fields(Recover)]
+
+
+def load_toml(path: str | Path) -> dict:
+    """Load a TOML config, turning every problem into a one-line ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config: file {str(path)!r} not found: pass the path of a TOML "
+                          "config, e.g. torchtitan_configs/debug_cpu.toml")
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"--config: {path} is not valid TOML ({err}): fix the syntax") from None
+    unknown = sorted(set(data.get("recover", {})) - set(recover_field_names()))
+    if unknown:
+        raise ConfigError(
+            f"[recover] {unknown[0]}: unknown key in {path}: valid keys are "
+            f"{', '.join(recover_field_names())}; remove or rename it")
+    return data
+
+
+def check_batch_sizes(local_batch_size: int, global_batch_size: int, replicas: int,
+                      ranks_per_replica: int) -> int:
+    """Return G (microbatches per replica per step) or raise a one-line ConfigError."""
+    if replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1 (got {replicas})")
+    if ranks_per_replica < 1:
+        raise ConfigError(f"recover.ranks_per_replica must be >= 1 (got {ranks_per_replica}): "
+                          "set --ranks-per-replica to the FSDP shard degree")
+    if local_batch_size < 1:
+        raise ConfigError(f"training.local_batch_size must be >= 1 (got {local_batch_size})")
+    if global_batch_size < 0:
+        return 1
+    per_microbatch = local_batch_size * replicas * ranks_per_replica
+    if global_batch_size == 0 or global_batch_size % per_microbatch:
+        raise ConfigError(
+            f"training.global_batch_size={global_batch_size} is not a positive multiple of "
+            f"local_batch_size x replicas x ranks_per_replica = {local_batch_size} x {replicas} x "
+            f"{ranks_per_replica} = {per_microbatch}: set it to a multiple of {per_microbatch}")
+    return global_batch_size // per_microbatch
+
+
+def check_world_size(world_size: int, ranks_per_replica: int) -> int:
+    """Return R for an MPI world of ``world_size`` ranks, or raise a one-line ConfigError."""
+    if ranks_per_replica < 1 or world_size % ranks_per_replica:
+        raise ConfigError(
+            f"recover.ranks_per_replica={ranks_per_replica} does not divide the MPI world size "
+            f"{world_size}: launch R x S ranks (mpirun -np R*S) or change ranks_per_replica")
+    return world_size // ranks_per_replica
+
+
+def validate(job_config, world_size: int | None = None) -> None:
+    """Start-up validation of a parsed JobConfig (raises ConfigError)."""
+    rc = job_config.recover
+    if not rc.enable:
+        return
+    if world_size is not None:
+        replicas = check_world_size(world_size, rc.ranks_per_replica)
+        check_batch_sizes(job_config.training.local_batch_size,
+                          job_config.training.global_batch_size, replicas, rc.ranks_per_replica)
+    par = job_config.parallelism
+    for name in ("tensor_parallel_degree", "pipeline_parallel_degree",
+                 "context_parallel_degree", "expert_parallel_degree"):
+        if getattr(par, name) != 1:
+            raise ConfigError(f"parallelism.{name}={getattr(par, name)}: recover-hsdp supports "
+                              "FSDP/HSDP only; set it to 1")
+
+
+def resolve_replica_layout(job_config, dp_world_size: int, dp_rank: int) -> tuple[int, int, int, int]:
+    """(replicas R, this replica r, ranks per replica S, this shard s) for a data-parallel rank.
+
+    Stock HSDP: TorchTitan's data-parallel world is all R*S ranks, rank = r*S + s. MPI path:
+    TorchTitan only sees the replica's S ranks; R and r come from the MPI bootstrap.
+    """
+    if job_config.recover.enable:
+        from recover_hsdp.bootstrap import current_layout
+
+        layout = current_layout()
+        return layout.replicas, layout.replica, layout.ranks_per_replica, dp_rank
+    shard_degree = job_config.parallelism.data_parallel_shard_degree
+    replicate = job_config.parallelism.data_parallel_replicate_degree
+    if shard_degree < 1:
+        shard_degree = dp_world_size // max(replicate, 1)
+    replica, shard = divmod(dp_rank, shard_degree)
+    return dp_world_size // shard_degree, replica, shard_degree, shard

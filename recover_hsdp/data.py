@@ -1,0 +1,273 @@
+"""Data with no network: a local corpus + BPE tokenizer, and an indexable microbatch dataset.
+
+The CPU default (``training.dataset = "local_corpus"``) builds, on first use and once per cache
+directory, a text corpus from the Python standard library sources present on every machine and a
+byte-level BPE tokenizer trained on it (HF ``tokenizers``). Both are cached under
+``training.dataset_path``; the tokenizer directory doubles as ``model.hf_assets_path``, so
+TorchTitan's own ``HuggingFaceTokenizer`` loads it.
+
+[Note: microbatch ids] The tokenized corpus is packed into fixed-length sequences and shuffled
+once with a fixed seed, so the dataset is map-style: a global microbatch id ``m`` maps to fixed
+tokens, whatever replica computes it. A microbatch is what one replica consumes in one
+forward/backward: ``S * local_batch_size`` sequences, ``local_batch_size`` per shard rank:
+
+    sequence(m, shard s, k) = m * S * lbs + s * lbs + k          (k < lbs)
+
+In the failure-free run replica r's g-th microbatch of step t (t from 0) is ``t*B + r*G + g``;
+stock HSDP and the MPI path both use that mapping, which is what makes them comparable step by
+step, and the ``exact`` data assignment relies on it after failures.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sysconfig
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from torchtitan.components.dataloader import BaseDataLoader
+
+LOCAL_CORPUS = "local_corpus"
+LOCAL_CORPUS_VOCAB = 2048
+CORPUS_BYTES = 3 * 1024 * 1024
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+_FILES = ("corpus.jsonl", "tokenizer.json", "tokenizer_config.json", "tokens.npy")
+
+
+# ---------------------------------------------------------------------------------------------
+# Local corpus + tokenizer (built once per cache dir, under a file lock, atomically)
+# ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _stdlib_documents(max_bytes: int) -> list[str]:
+    """Python standard-library sources in a fixed order, up to ``max_bytes`` of text."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text.strip():
+            continue
+        docs.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return docs
+
+
+def _train_tokenizer(docs: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(docs, trainer=trainer)
+    return tokenizer
+
+
+def ensure_local_corpus(cache_dir: str | os.PathLike, vocab_size: int = LOCAL_CORPUS_VOCAB) -> Path:
+    """Build (once) the local corpus, tokenizer and packed token stream; return the directory.
+
+    Safe to call from every rank at once: one builds under an exclusive lock, the others wait
+    and then find the files. Files appear atomically (written to a temp name, then renamed).
+    """
+    cache = Path(cache_dir)
+    if all((cache / name).exists() for name in _FILES):
+        return cache
+    with _file_lock(cache.parent / f".{cache.name}.lock"):
+        if all((cache / name).exists() for name in _FILES):
+            return cache
+        cache.mkdir(parents=True, exist_ok=True)
+        docs = _stdlib_documents(CORPUS_BYTES)
+        tokenizer = _train_tokenizer(docs, vocab_size)
+        eos_id = tokenizer.token_to_id(EOS)
+        bos_id = tokenizer.token_to_id(BOS)
+        stream: list[int] = []
+        for encoding in tokenizer.encode_batch(docs):
+            stream.append(bos_id)
+            stream.extend(encoding.ids)
+            stream.append(eos_id)
+        config = {"bos_token": BOS, "eos_token": EOS, "add_bos_token": True,
+                  "add_eos_token": False, "model_max_length": 1 << 20}
+        _atomic_write(cache / "corpus.jsonl",
+                      "".join(json.dumps({"text": d}) + "\n" for d in docs))
+        _atomic_write(cache / "tokenizer.json", tokenizer.to_str())
+        _atomic_write(cache / "tokenizer_config.json", json.dumps(config))
+        tmp = cache / "tokens.tmp.npy"
+        np.save(tmp, np.asarray(stream, dtype=np.int32))
+        os.replace(tmp, cache / "tokens.npy")
+    return cache
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def register_local_corpus_with_torchtitan(default_path: str) -> None:
+    """Make ``local_corpus`` a dataset of TorchTitan's own text-dataset registry too."""
+    from datasets import load_dataset
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    def _load(path: str):
+        ensure_local_corpus(path)
+        return load_dataset("json", data_files=str(Path(path) / "corpus.jsonl"), split="train")
+
+    DATASETS[LOCAL_CORPUS] = DatasetConfig(
+        path=default_path, loader=_load, sample_processor=lambda sample: sample["text"]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Indexable packed dataset and the microbatch dataloader
+# ---------------------------------------------------------------------------------------------
+
+
+class PackedSequences:
+    """Map-style view of a token stream as shuffled fixed-length (input, label) sequences."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int = 0):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        count = (len(tokens) - 1) // seq_len
+        if count < 1:
+            raise ValueError(
+                f"training.seq_len={seq_len} is longer than the whole corpus "
+                f"({len(tokens)} tokens): lower training.seq_len"
+            )
+        self.order = np.random.RandomState(seed).permutation(count)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = int(self.order[index % len(self.order)]) * self.seq_len
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+def microbatch_sequence_ids(microbatch_id: int, shard: int, ranks_per_replica: int,
+                            local_batch_size: int) -> range:
+    """Sequence indices one shard rank feeds for a microbatch (see [Note: microbatch ids])."""
+    first = (microbatch_id * ranks_per_replica + shard) * local_batch_size
+    return range(first, first + local_batch_size)
+
+
+class MicrobatchDataLoader(BaseDataLoader):
+    """Per-rank loader addressed by global microbatch id.
+
+    ``batch(m)`` returns this rank's part of microbatch ``m``. Iterating yields the
+    failure-free sequence of microbatches for this replica (what stock TorchTitan consumes):
+    step t, accumulation step g -> ``t*B + replica*G + g`` with ``B = replicas * G``.
+    Its checkpointable state is the number of microbatches consumed.
+    """
+
+    def __init__(self, sequences: PackedSequences, *, replica: int, replicas: int, shard: int,
+                 ranks_per_replica: int, local_batch_size: int, microbatches_per_replica: int):
+        self.sequences = sequences
+        self.replica, self.replicas = replica, replicas
+        self.shard, self.ranks_per_replica = shard, ranks_per_replica
+        self.local_batch_size = local_batch_size
+        self.microbatches_per_replica = microbatches_per_replica
+        self.consumed = 0
+
+    def batch(self, microbatch_id: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        rows = [self.sequences[i] for i in microbatch_sequence_ids(
+            microbatch_id, self.shard, self.ranks_per_replica, self.local_batch_size)]
+        inputs = torch.stack([row[0] for row in rows])
+        labels = torch.stack([row[1] for row in rows])
+        return {"input": inputs}, labels
+
+    def failure_free_id(self, position: int) -> int:
+        step, g = divmod(position, self.microbatches_per_replica)
+        global_batch = self.replicas * self.microbatches_per_replica
+        return step * global_batch + self.replica * self.microbatches_per_replica + g
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        while True:
+            microbatch_id = self.failure_free_id(self.consumed)
+            self.consumed += 1
+            yield self.batch(microbatch_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            self.consumed = int(state_dict["consumed"])
+
+
+def load_local_sequences(job_config) -> PackedSequences:
+    cache = ensure_local_corpus(job_config.training.dataset_path)
+    tokens = np.load(cache / "tokens.npy", mmap_mode="r")
+    return PackedSequences(tokens, job_config.training.seq_len, seed=job_config.recover.data_seed)
+
+
+def build_tokenizer(job_config):
+    """TorchTitan tokenizer builder: builds the local tokenizer first when it is the dataset."""
+    from torchtitan.components.tokenizer import build_hf_tokenizer
+
+    if job_config.training.dataset == LOCAL_CORPUS:
+        ensure_local_corpus(job_config.training.dataset_path)
+    return build_hf_tokenizer(job_config)
+
+
+def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> BaseDataLoader:
+    """TorchTitan dataloader builder (TrainSpec.build_dataloader_fn).
+
+    Stock HSDP passes the whole data-parallel world (R*S ranks, rank = r*S + s). The MPI path
+    passes only the replica's torch world; the replica id then comes from the MPI bootstrap.
+    """
+    from recover_hsdp.config import resolve_replica_layout
+
+    replicas, replica, ranks_per_replica, shard = resolve_replica_layout(
+        job_config, dp_world_size, dp_rank)
+    if job_config.training.dataset != LOCAL_CORPUS:
+        from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+
+        return build_text_dataloader(replicas * ranks_per_replica,
+                                     replica * ranks_per_replica + shard, tokenizer, job_config)
+    lbs = job_config.training.local_batch_size
+    return MicrobatchDataLoader(
+        load_local_sequences(job_config), replica=replica, replicas=replicas, shard=shard,
+        ranks_per_replica=ranks_per_replica, local_batch_size=lbs,
+        microbatches_per_replica=microbatches_per_replica(job_config, replicas * ranks_per_replica),
+    )
+
+
+def microbatches_per_replica(job_config, data_parallel_ranks: int) -> int:
+    """G: gradient-accumulation steps, as TorchTitan derives them from the batch sizes."""
+    lbs, gbs = job_config.training.local_batch_size, job_config.training.global_batch_size
+    if gbs < 0:
+        return 1
+    return gbs // (lbs * data_parallel_ranks)
+

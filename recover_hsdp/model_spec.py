@@ -1,0 +1,99 @@
+"""TrainSpec ``recover_llama3``: TorchTitan's Llama 3 with this project's data and HSDP plan.
+
+Registered through TorchTitan's public ``register_train_spec``; configs select it with
+``[model] name = "recover_llama3"``. Differences from the stock ``llama3`` spec:
+
+- flavor ``1B``: the Llama 3.2 1B shape (dim 2048, 16 layers, 32 heads, 8 KV heads,
+  ffn_dim_multiplier 1.5, multiple_of 256, rope_theta 500000, vocab 128256);
+- dataloader/tokenizer: :mod:`recover_hsdp.data` (local corpus on CPU, C4 on clusters);
+- parallelize: always FSDP2. TorchTitan falls back to DDP when the shard degree is 1, and the
+  MPI path's one-rank replica world would get no data parallelism at all; both need FSDP2's
+  all-reduce hook / HSDP semantics, so with shard degree 1 the model is wrapped with
+  ``fully_shard`` over a (replicate, 1) mesh (stock) or a 1-rank mesh (one-rank replica).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch.distributed.device_mesh import init_device_mesh
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
+from torchtitan.models.llama3 import llama3_args
+from torchtitan.models.llama3.infra.parallelize import apply_fsdp, parallelize_llama
+from torchtitan.models.llama3.model.args import TransformerModelArgs
+from torchtitan.protocols.train_spec import register_train_spec
+import torchtitan.tools.utils as tt_utils
+
+from recover_hsdp import data
+from recover_hsdp.cpu_runtime import use_sum_reduce_scatter_on_gloo
+
+TRAIN_SPEC_NAME = "recover_llama3"
+
+RECOVER_LLAMA3_FLAVORS = {
+    **llama3_args,
+    "1B": TransformerModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+        multiple_of=256, rope_theta=500000, vocab_size=128256,
+    ),
+}
+
+
+class _WithoutDataParallel:
+    """ParallelDims view with data parallelism off, so parallelize_llama applies TP/AC/compile
+    only and leaves FSDP to :func:`parallelize_always_fsdp`."""
+
+    fsdp_enabled = False
+    dp_replicate_enabled = False
+
+    def __init__(self, parallel_dims):
+        self._dims = parallel_dims
+
+    def __getattr__(self, name):
+        return getattr(self._dims, name)
+
+
+def parallelize_always_fsdp(model, parallel_dims, job_config):
+    if parallel_dims.fsdp_enabled:
+        model = parallelize_llama(model, parallel_dims, job_config)
+    else:
+        model = _fsdp_with_shard_degree_one(model, parallel_dims, job_config)
+    if tt_utils.device_type == "cpu":
+        use_sum_reduce_scatter_on_gloo(model)
+    return model
+
+
+def _fsdp_with_shard_degree_one(model, parallel_dims, job_config):
+    model = parallelize_llama(model, _WithoutDataParallel(parallel_dims), job_config)
+    device_type = tt_utils.device_type  # "cpu" once recover_hsdp.cpu_runtime is installed
+    if parallel_dims.dp_replicate > 1:
+        mesh = init_device_mesh(device_type, (parallel_dims.dp_replicate, 1),
+                                mesh_dim_names=("dp_replicate", "fsdp"))
+    else:
+        mesh = init_device_mesh(device_type, (1,), mesh_dim_names=("fsdp",))
+    training = job_config.training
+    apply_fsdp(
+        model, mesh,
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        pp_enabled=False, cpu_offload=training.enable_cpu_offload,
+        reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+    )
+    return model
+
+
+def register() -> None:
+    """Register ``recover_llama3`` (idempotent) and the ``local_corpus`` dataset."""
+    data.register_local_corpus_with_torchtitan("outputs/cache/local_corpus")
+    spec = replace(
+        llama3_train_spec(),
+        model_args=RECOVER_LLAMA3_FLAVORS,
+        parallelize_fn=parallelize_always_fsdp,
+        pipelining_fn=None,
+        build_dataloader_fn=data.build_dataloader,
+        build_tokenizer_fn=data.build_tokenizer,
+    )
+    try:
+        register_train_spec(TRAIN_SPEC_NAME, spec)
+    except ValueError:  # already registered in this process
+        pass
