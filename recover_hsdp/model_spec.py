@@ -4,7 +4,8 @@ Registered through TorchTitan's public ``register_train_spec``; configs select i
 ``[model] name = "recover_llama3"``. Differences from the stock ``llama3`` spec:
 
 - flavor ``1B``: the Llama 3.2 1B shape (dim 2048, 16 layers, 32 heads, 8 KV heads,
-  ffn_dim_multiplier 1.5, multiple_of 256, rope_theta 500000, vocab 128256);
+  ffn_dim_multiplier 1.5, multiple_of 256, rope_theta 500000, vocab 128256) with the output
+  projection tied to the token embedding as in Llama 3.2 (1.24B parameters; untied 1.50B);
 - dataloader/tokenizer: :mod:`recover_hsdp.data` (local corpus on CPU, C4 on clusters);
 - parallelize: always FSDP2. TorchTitan falls back to DDP when the shard degree is 1, and the
   MPI path's one-rank replica world would get no data parallelism at all; both need FSDP2's
@@ -14,14 +15,20 @@ Registered through TorchTitan's public ``register_train_spec``; configs select i
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
 from torchtitan.models.llama3 import llama3_args
-from torchtitan.models.llama3.infra.parallelize import apply_fsdp, parallelize_llama
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torchtitan.models.llama3.infra.parallelize import (
+    apply_fsdp,
+    disable_fsdp_gradient_division,
+    parallelize_llama,
+)
 from torchtitan.models.llama3.model.args import TransformerModelArgs
+from torchtitan.models.llama3.model.model import Transformer
 from torchtitan.protocols.train_spec import register_train_spec
 import torchtitan.tools.utils as tt_utils
 
@@ -30,11 +37,37 @@ from recover_hsdp.cpu_runtime import use_sum_reduce_scatter_on_gloo
 
 TRAIN_SPEC_NAME = "recover_llama3"
 
+
+
+@dataclass
+class RecoverLlamaArgs(TransformerModelArgs):
+    tie_word_embeddings: bool = False
+    """Share the output projection's weight with the token embedding (Llama 3.2 1B/3B)."""
+
+
+class RecoverLlama(Transformer):
+    """TorchTitan's Llama 3 Transformer, optionally with tied input/output embeddings."""
+
+    def __init__(self, model_args: RecoverLlamaArgs):
+        super().__init__(model_args)
+        if getattr(model_args, "tie_word_embeddings", False):
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_weights(self, buffer_device=None):
+        super().init_weights(buffer_device=buffer_device)
+        if getattr(self.model_args, "tie_word_embeddings", False):
+            # the shared weight was initialised last as the output projection; use the
+            # embedding's init instead (what tied models do)
+            import torch.nn as nn
+
+            nn.init.normal_(self.tok_embeddings.weight)
+
+
 RECOVER_LLAMA3_FLAVORS = {
     **llama3_args,
-    "1B": TransformerModelArgs(
+    "1B": RecoverLlamaArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
-        multiple_of=256, rope_theta=500000, vocab_size=128256,
+        multiple_of=256, rope_theta=500000, vocab_size=128256, tie_word_embeddings=True,
     ),
 }
 
@@ -54,32 +87,47 @@ class _WithoutDataParallel:
 
 
 def parallelize_always_fsdp(model, parallel_dims, job_config):
-    if parallel_dims.fsdp_enabled:
+    """TP/AC/compile as TorchTitan does, then FSDP2 whatever the shard degree."""
+    tied = getattr(model.model_args, "tie_word_embeddings", False)
+    if parallel_dims.fsdp_enabled and not tied:
         model = parallelize_llama(model, parallel_dims, job_config)
     else:
-        model = _fsdp_with_shard_degree_one(model, parallel_dims, job_config)
+        model = parallelize_llama(model, _WithoutDataParallel(parallel_dims), job_config)
+        _apply_fsdp(model, _data_parallel_mesh(parallel_dims), job_config, tied)
     if tt_utils.device_type == "cpu":
         use_sum_reduce_scatter_on_gloo(model)
     return model
 
 
-def _fsdp_with_shard_degree_one(model, parallel_dims, job_config):
-    model = parallelize_llama(model, _WithoutDataParallel(parallel_dims), job_config)
+def _data_parallel_mesh(parallel_dims):
+    """The (replicate, shard) or (shard,) mesh, also when the shard degree is 1."""
+    if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        return parallel_dims.get_mesh(names)
     device_type = tt_utils.device_type  # "cpu" once recover_hsdp.cpu_runtime is installed
     if parallel_dims.dp_replicate > 1:
-        mesh = init_device_mesh(device_type, (parallel_dims.dp_replicate, 1),
+        return init_device_mesh(device_type, (parallel_dims.dp_replicate, 1),
                                 mesh_dim_names=("dp_replicate", "fsdp"))
-    else:
-        mesh = init_device_mesh(device_type, (1,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(device_type, (1,), mesh_dim_names=("fsdp",))
+
+
+def _apply_fsdp(model, mesh, job_config, tied: bool) -> None:
     training = job_config.training
-    apply_fsdp(
-        model, mesh,
-        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
-        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-        pp_enabled=False, cpu_offload=training.enable_cpu_offload,
-        reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
-    )
-    return model
+    param_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]
+    reduce_dtype = TORCH_DTYPE_MAP[training.mixed_precision_reduce]
+    if not tied:
+        apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   pp_enabled=False, cpu_offload=training.enable_cpu_offload,
+                   reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward)
+        return
+    # Tied embeddings: the shared weight must live in one FSDP unit, so the embedding, final
+    # norm and output stay in the root unit; each transformer block is its own unit.
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    reshard = job_config.parallelism.fsdp_reshard_after_forward != "never"
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    disable_fsdp_gradient_division(model)
 
 
 def register() -> None:
@@ -87,6 +135,7 @@ def register() -> None:
     data.register_local_corpus_with_torchtitan("outputs/cache/local_corpus")
     spec = replace(
         llama3_train_spec(),
+        model_cls=RecoverLlama,
         model_args=RECOVER_LLAMA3_FLAVORS,
         parallelize_fn=parallelize_always_fsdp,
         pipelining_fn=None,

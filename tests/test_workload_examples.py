@@ -1,0 +1,229 @@
+"""Explicit cases of the workload policy, the paper's replay table, the ledger and validation."""
+
+import json
+
+import pytest
+
+from recover_hsdp.ledger import LEDGER_NAME, LedgerWriter, plan_record, read_ledger
+from recover_hsdp.workload import (DataAssignment, Role, WorkloadPolicy,
+                                   validate_workload_fields)
+from recover_hsdp.workload_replay import main as replay_main
+from recover_hsdp.workload_replay import replay
+
+
+def policy(w=4, g=3, **kw):
+    return WorkloadPolicy(initial_replicas=w, microbatches_per_replica=g, **kw)
+
+
+# ---- stock equivalence and failure-free plans ---------------------------------------------------
+@pytest.mark.parametrize("mode", ["exact", "stream"])
+def test_failure_free_plan_is_stock_hsdp(mode):
+    """W_init x G_init, no spares: replica r's g-th microbatch at step t is t*B + r*G + g."""
+    p = policy(4, 3, data_assignment=mode)
+    for t in range(3):
+        plan = p.plan(t)
+        assert plan.count(Role.MAJOR) == 4 and plan.g == 3
+        for r in range(4):
+            a = plan.assignment(r)
+            want = [t * 12 + r * 3 + g for g in range(3)] if mode == "exact" \
+                else [t * 3 + g for g in range(3)]          # stream: own shard positions
+            assert list(a.compute_ids) == want == list(a.committed_ids)
+        p.commit(plan)
+
+
+def test_roles_after_losses_raise_g_ceil():
+    p = policy(32, 8, alive_replicas=range(31))
+    plan = p.plan(0)
+    assert plan.g == 9 and plan.count(Role.MAJOR) == 28 and plan.count(Role.SPARE) == 2
+    minor = [a for a in plan.assignments if a.role is Role.MINOR]
+    assert [(a.replica, a.quota) for a in minor] == [(28, 4)]
+    assert [a.replica for a in plan.assignments if a.role is Role.SPARE] == [29, 30]
+
+
+def test_reserve_keeps_one_spare_and_no_spares_means_idle():
+    plan = policy(32, 8, g_raise="reserve", alive_replicas=range(29)).plan(0)
+    assert plan.g == 10 and plan.count(Role.SPARE) == 3      # ceil(256/28) = 10: 26 contribute
+    idle = policy(32, 8, keep_spares=False, alive_replicas=range(31)).plan(0)
+    assert idle.count(Role.IDLE) == 2 and idle.count(Role.SPARE) == 0
+    assert all(a.compute_ids == () for a in idle.assignments if a.role is Role.IDLE)
+
+
+# ---- in-step failures --------------------------------------------------------------------------
+def test_major_failure_without_spares_spreads_one_extra_each():
+    p = policy(32, 8)
+    plan = p.replan(p.plan(0), [5])
+    assert plan.extras_total() == 8 and plan.max_extras() == 1 and plan.committed_total() == 256
+    assert [a.replica for a in plan.assignments if a.extra_ids] == [0, 1, 2, 3, 4, 6, 7, 8]
+
+
+def test_stream_major_failure_promotes_a_spare():
+    p = policy(32, 8, alive_replicas=range(31))
+    plan = p.replan(p.plan(0), [3])
+    assert plan.promoted() == (29,) and plan.extras_total() == 0
+    assert plan.assignment(29).committed_ids == plan.assignment(29).compute_ids
+
+
+def test_exact_spare_is_promoted_only_for_the_replica_it_shadows():
+    p = policy(32, 8, data_assignment="exact", alive_replicas=range(31))
+    plan = p.plan(2)
+    assert plan.assignment(29).shadow_of == 0 and plan.assignment(30).shadow_of == 1
+    assert plan.assignment(29).compute_ids == plan.assignment(0).compute_ids
+    covered = p.replan(plan, [1])
+    assert covered.promoted() == (30,) and covered.extras_total() == 0
+    uncovered = p.replan(plan, [7])                     # nobody shadows 7: its ids become extras
+    assert uncovered.promoted() == () and uncovered.extras_total() == 9
+    extra = sorted(i for a in uncovered.assignments for i in a.extra_ids)
+    assert extra == list(plan.assignment(7).compute_ids)
+
+
+def test_minor_failure_then_extra_runner_failure_then_promoted_spare_failure():
+    p = policy(32, 8, alive_replicas=range(31))
+    plan = p.plan(0)
+    plan = p.replan(plan, [28])                          # the minor (4): extras on 0..3
+    assert plan.extras_total() == 4 and plan.promoted() == ()
+    plan = p.replan(plan, [0])                           # 9 + 1 extra lost: spare + 1 extra
+    assert plan.promoted() == (29,) and plan.extras_total() == 4
+    plan = p.replan(plan, [29])                          # the promoted spare: the other spare
+    assert plan.promoted() == (30,) and plan.extras_total() == 4
+    plan = p.replan(plan, [30])                          # no spare left: 9 more extras
+    assert plan.extras_total() == 13 and plan.max_extras() == 1
+    assert plan.dead == (28, 0, 29, 30) and plan.round == 4 and plan.committed_total() == 256
+    lost = dict(plan.lost_work)
+    assert len(lost[0]) == 9 + 1 and len(lost[29]) == len(lost[30]) == 9
+
+
+def test_single_survivor_commits_everything_and_g_becomes_b():
+    p = policy(3, 2, data_assignment="exact")
+    plan = p.replan(p.replan(p.plan(1), [0]), [2])
+    assert plan.alive == (1,) and sorted(plan.assignment(1).committed_ids) == list(range(6, 12))
+    p.commit(plan)
+    assert p.g == 6 and p.plan(2).assignment(1).compute_ids == tuple(range(12, 18))
+    with pytest.raises(RuntimeError):
+        p.replan(p.plan(2), [1])
+
+
+def test_replan_rejects_unknown_replicas():
+    p = policy()
+    with pytest.raises(ValueError):
+        p.replan(p.plan(0), [])
+    with pytest.raises(ValueError):
+        p.replan(p.plan(0), [9])
+
+
+def test_stream_cursors_advance_by_everything_computed():
+    p = policy(4, 3, alive_replicas=[0, 1, 2])          # G = 4: 3 majors, no spare
+    plan = p.replan(p.plan(0), [2])                     # 4 extras on 2 survivors
+    p.commit(plan)
+    assert p.cursors == {0: 6, 1: 6}
+    nxt = p.plan(1)
+    assert nxt.g == 6 and nxt.assignment(0).compute_ids == tuple(range(6, 12))
+
+
+def test_restart_from_state_with_fewer_replicas_keeps_b():
+    p = policy(32, 8)
+    p.commit(p.replan(p.plan(0), [4]))
+    state = json.loads(json.dumps(p.state_dict()))
+    assert state["g"] == 9 and len(state["alive"]) == 31
+    again = WorkloadPolicy.from_state_dict(state, alive_replicas=range(20))
+    plan = again.plan(1)
+    assert plan.committed_total() == 256 and plan.g == 13 and again.step == 1
+    assert again.cursors[5] == 9                        # replica 5 ran one extra in step 0
+
+
+# ---- the paper's example -----------------------------------------------------------------------
+PAPER = [  # (alive W, promoted, extras, G, majors, minor quota, spares): victim = lowest-id major
+    (32, 0, 0, 8, 32, None, 0), (31, 0, 8, 9, 28, 4, 2), (30, 1, 0, 9, 28, 4, 1),
+    (29, 1, 0, 9, 28, 4, 0), (28, 0, 9, 10, 25, 6, 2), (27, 1, 0, 10, 25, 6, 1),
+    (26, 1, 0, 10, 25, 6, 0), (25, 0, 10, 11, 23, 3, 1), (24, 1, 0, 11, 23, 3, 0),
+    (23, 0, 11, 12, 21, 4, 1), (22, 1, 0, 12, 21, 4, 0), (21, 0, 12, 13, 19, 9, 1),
+    (20, 1, 0, 13, 19, 9, 0), (19, 0, 13, 14, 18, 4, 0), (18, 0, 14, 15, 17, 1, 0),
+    (17, 0, 15, 16, 16, None, 1), (16, 1, 0, 16, 16, None, 0)]
+
+
+@pytest.mark.parametrize("mode", ["stream", "exact"])
+def test_paper_replay_table(mode):
+    rows = replay(32, 8, 16, mode=mode)
+    got = [(w, prom, extra, g, maj, None if minor == "0" else int(minor[3:-1]), spares)
+           for _, _, w, prom, extra, _, g, maj, minor, spares in rows]
+    assert got == PAPER
+    assert all(row[5] <= 1 for row in rows)             # every boundary step: <= 1 extra each
+
+
+def test_replay_runs_down_to_one_survivor_and_cli_prints(capsys):
+    rows = replay(32, 8, 100, victim="minor")
+    assert rows[-1][2] == 1 and rows[-1][6] == 256
+    assert replay_main(["--replay-paper", "--failures", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "| failure | victim | alive W |" in out and "| 1 | 0 (major) | 31 |" in out
+
+
+# ---- ledger ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["stream", "exact"])
+def test_ledger_round_trip(tmp_path, mode):
+    p = policy(6, 2, data_assignment=mode, alive_replicas=range(5))
+    plans = []
+    with LedgerWriter(tmp_path) as ledger:
+        for t in range(3):
+            plan = p.plan(t)
+            if t == 1:
+                plan = p.replan(p.replan(plan, [0]), [4])
+            ledger.append(plan, epoch=t)
+            p.commit(plan)
+            plans.append(plan)
+    entries = read_ledger(tmp_path)
+    assert [e.step for e in entries] == [0, 1, 2] and entries[1].failures == (0, 4)
+    for e, plan in zip(entries, plans):
+        assert e.committed_total == 12 == e.global_microbatches
+        assert e.committed == {a.replica: a.committed_ids for a in plan.assignments}
+        assert e.discarded == {a.replica: a.discarded_ids for a in plan.assignments}
+        assert e.lost == dict(plan.lost_work) and e.g == plan.g
+        assert e.roles == {a.replica: a.role.value for a in plan.assignments}
+        assert (e.stream_start != {}) == (mode == "stream")
+    keys = [k for e in entries for k in e.committed_keys()]
+    assert len(keys) == len(set(keys)) == 36
+    if mode == "exact":
+        assert sorted(i for _, i in keys) == list(range(36))
+
+
+def test_ledger_reader_skips_a_torn_last_line_only(tmp_path):
+    p = policy(2, 2)
+    with LedgerWriter(tmp_path) as ledger:
+        ledger.append(p.plan(0), epoch=0)
+    path = tmp_path / LEDGER_NAME
+    good = path.read_text()
+    path.write_text(good + good[:20])
+    assert len(read_ledger(path)) == 1
+    path.write_text(good[:20] + "\n" + good)
+    with pytest.raises(ValueError, match=":1: malformed"):
+        read_ledger(path)
+    assert plan_record(p.plan(0), 3)["epoch"] == 3
+
+
+# ---- validation --------------------------------------------------------------------------------
+GOOD = dict(microbatches_per_replica=8, keep_spares=True, data_assignment="stream", g_raise="ceil")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("microbatches_per_replica", 0, "recover.microbatches_per_replica must be an integer >= 1 "
+                                    "(got 0): set it in the [recover] section"),
+    ("microbatches_per_replica", 2.5, "recover.microbatches_per_replica"),
+    ("keep_spares", "yes", "recover.keep_spares must be true or false (got 'yes')"),
+    ("data_assignment", "random", "recover.data_assignment must be 'stream' or 'exact' "
+                                  "(got 'random')"),
+    ("g_raise", "double", "recover.g_raise must be 'ceil' or 'reserve' (got 'double')"),
+])
+def test_validation_names_the_field_and_the_fix(field, value, message):
+    with pytest.raises(ValueError) as err:
+        validate_workload_fields(**{**GOOD, field: value})
+    assert message in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=f"recover.{field}"):
+        WorkloadPolicy(initial_replicas=2, **{**GOOD, field: value})
+
+
+def test_policy_rejects_inconsistent_sizes():
+    validate_workload_fields(**GOOD)
+    with pytest.raises(ValueError, match="global_microbatches=10"):
+        policy(4, 3, global_microbatches=10)
+    with pytest.raises(ValueError, match="data_parallel_replicate_degree"):
+        policy(0, 3)
+    assert policy(data_assignment=DataAssignment.EXACT).data_assignment is DataAssignment.EXACT
