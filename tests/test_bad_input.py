@@ -1,0 +1,89 @@
+"""Bad input: one clear line naming the field and the fix, a non-zero exit, nothing started."""
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DEBUG_CONFIG, REPO, run_cli
+
+
+def _error_line(result) -> str:
+    lines = [ln for ln in result.stderr.splitlines() if "error" in ln]
+    assert len(lines) == 1, result.stderr[-2000:]
+    return lines[0]
+
+
+def test_missing_config_file(tmp_path):
+    result = run_cli(["train", "--config", str(tmp_path / "nope.toml")])
+    assert result.returncode == 2
+    assert "--config" in _error_line(result) and "not found" in _error_line(result)
+
+
+def test_unknown_recover_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(DEBUG_CONFIG.read_text().replace("[recover]\n", "[recover]\nshards = 3\n"))
+    result = run_cli(["train", "--config", str(bad)])
+    assert result.returncode == 2
+    line = _error_line(result)
+    assert "[recover] shards" in line and "valid keys" in line
+
+
+def test_invalid_toml(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training\nsteps = 3\n")
+    result = run_cli(["train", "--config", str(bad)])
+    assert result.returncode == 2 and "not valid TOML" in _error_line(result)
+
+
+def test_batch_sizes_that_do_not_divide():
+    result = run_cli(["train", "--config", str(DEBUG_CONFIG), "--replicas", "3", "--",
+                      "--training.global_batch_size", "8"])
+    assert result.returncode == 2
+    line = _error_line(result)
+    assert "training.global_batch_size=8" in line and "multiple of 6" in line
+
+
+def test_world_size_not_matching_ranks_per_replica(tmp_path):
+    """mpirun -np 3 with ranks_per_replica 2: every rank stops with the one-line error."""
+    from recover_hsdp.launch import check_ulfm_mpirun, mpirun_prefix
+
+    command = [*mpirun_prefix(check_ulfm_mpirun(), 3), sys.executable, "-m", "recover_hsdp.train",
+               "--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(tmp_path),
+               "--recover.ranks_per_replica", "2"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = [ln for ln in result.stderr.splitlines() if "config error" in ln]
+    assert len(errors) == 3, result.stderr[-2000:]
+    assert all("recover.ranks_per_replica=2 does not divide the MPI world size 3" in ln
+               for ln in errors)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _fake_tool(directory, name, output):
+    path = directory / name
+    path.write_text(f"#!/bin/sh\necho '{output}'\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def test_no_mpirun(tmp_path):
+    result = run_cli(["train", "--config", str(DEBUG_CONFIG)],
+                     env={"RECOVER_HSDP_MPIRUN": str(tmp_path / "missing" / "mpirun")})
+    assert result.returncode == 2
+    assert "mpirun not found" in _error_line(result)
+
+
+@pytest.mark.parametrize("version,info,expected", [
+    ("HYDRA build details: mpich 4.2", "", "is not Open MPI 5"),
+    ("mpirun (Open MPI) 5.0.11", "  FT MPI support: no", "without ULFM"),
+])
+def test_mpi_without_ulfm(tmp_path, version, info, expected):
+    mpirun = _fake_tool(tmp_path, "mpirun", version)
+    _fake_tool(tmp_path, "ompi_info", info)
+    result = run_cli(["train", "--config", str(DEBUG_CONFIG)],
+                     env={"RECOVER_HSDP_MPIRUN": str(mpirun)})
+    assert result.returncode == 2
+    assert expected in _error_line(result)
