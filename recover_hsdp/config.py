@@ -24,6 +24,28 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class Faults:
+    """Real failure injection (``[recover.faults]``); see :mod:`recover_hsdp.faults`."""
+
+    inject: str = ""
+    """Faults, separated by ";": ``replica=R,step=N,phase=P[,rank=K][,mode=M][,bucket=B]`` with
+    P in forward|backward|grad_sync|consensus|rereduce|optimizer and M in sigkill|exit|hang."""
+
+    every: int = 0
+    """Paper-like schedule: one replica failure per ``every`` steps at a seeded random step in
+    each interval (0: off)."""
+
+    max_failures: int = 0
+    """Schedule: stop after this many replicas were lost."""
+
+    phase: str = "grad_sync"
+    """Schedule: the phase the scheduled failures hit."""
+
+    seed: int = 0
+    """Schedule: seed of the failure steps and victims."""
+
+
+@dataclass
 class Recover:
     enable: bool = False
     """Train with ReCoVer: one MPI rank per device, replicas of ``ranks_per_replica`` FSDP ranks,
@@ -32,6 +54,26 @@ class Recover:
     ranks_per_replica: int = 1
     """S, the FSDP shard degree inside one replica (its torch.distributed world). The number of
     replicas R is the MPI world size divided by S. A replica lives or dies as a unit."""
+
+    data_assignment: str = "exact"
+    """``exact``: step t commits exactly global microbatch ids t*B..t*B+B-1, also after failures
+    (needs an indexable dataset, e.g. local_corpus). ``stream``: each replica draws its quota from
+    its own shard of an endless stream (the paper)."""
+
+    keep_spares: bool = True
+    """After G is raised, replicas beyond what the quota needs become spares (compute G, contribute
+    zero unless promoted) instead of idling."""
+
+    g_raise: str = "ceil"
+    """How G rises when replicas are lost: ``ceil`` (G = ceil(B / W)) or ``reserve`` (keep a spare
+    while two or more replicas live)."""
+
+    hang_timeout_s: float = 300.0
+    """A rank whose main thread shows no progress for this long kills itself, so that a hung
+    rank becomes an ordinary death (MPI-call deadlines are derived from it)."""
+
+    host_snapshots: bool = False
+    """GPU runs: keep gradient-bucket snapshots in pinned host memory instead of device memory."""
 
     data_seed: int = 0
     """Seed of the fixed shuffle of the local corpus's packed sequences (a different seed gives
@@ -44,6 +86,9 @@ class Recover:
     check_replica_consistency: bool = True
     """After every step compare a checksum of each parameter shard across replicas and stop with
     an error if replicas diverged (cheap: one float per rank)."""
+
+    faults: Faults = field(default_factory=Faults)
+    """Failure injection for tests and demos."""
 
 
 @dataclass
@@ -68,7 +113,12 @@ def load_toml(path: str | Path) -> dict:
             data = tomllib.load(handle)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"--config: {path} is not valid TOML ({err}): fix the syntax") from None
-    unknown = sorted(set(data.get("recover", {})) - set(recover_field_names()))
+    section = data.get("recover", {})
+    unknown = sorted(set(section) - set(recover_field_names()))
+    unknown_faults = sorted(set(section.get("faults", {})) - {f.name for f in fields(Faults)})
+    if unknown_faults:
+        raise ConfigError(f"[recover.faults] {unknown_faults[0]}: unknown key in {path}: valid keys "
+                          f"are {', '.join(f.name for f in fields(Faults))}; remove or rename it")
     if unknown:
         raise ConfigError(
             f"[recover] {unknown[0]}: unknown key in {path}: valid keys are "
@@ -115,6 +165,22 @@ def validate(job_config, world_size: int | None = None) -> None:
         replicas = check_world_size(world_size, rc.ranks_per_replica)
         check_batch_sizes(job_config.training.local_batch_size,
                           job_config.training.global_batch_size, replicas, rc.ranks_per_replica)
+    from recover_hsdp.workload import validate_workload_fields
+
+    try:
+        validate_workload_fields(microbatches_per_replica=1, keep_spares=rc.keep_spares,
+                                 data_assignment=rc.data_assignment, g_raise=rc.g_raise)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if rc.data_assignment == "exact" and job_config.training.dataset != "local_corpus":
+        raise ConfigError(f"recover.data_assignment=exact needs an indexable dataset, and "
+                          f"training.dataset={job_config.training.dataset!r} is a stream: use "
+                          "data_assignment = \"stream\" or dataset = \"local_corpus\"")
+    if job_config.training.mixed_precision_reduce != "float32":
+        raise ConfigError("training.mixed_precision_reduce must be float32 with recover.enable: "
+                          "gradient-bucket snapshots restore the fp32 reduce buffer in place")
+    if rc.hang_timeout_s <= 0:
+        raise ConfigError(f"recover.hang_timeout_s must be > 0 (got {rc.hang_timeout_s})")
     par = job_config.parallelism
     for name in ("tensor_parallel_degree", "pipeline_parallel_degree",
                  "context_parallel_degree", "expert_parallel_degree"):

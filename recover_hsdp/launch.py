@@ -95,6 +95,12 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
     else:
         command = [*mpirun_prefix(check_ulfm_mpirun(), ranks), sys.executable, *train,
                    "--recover.enable", "--recover.ranks_per_replica", str(ranks_per_replica)]
+    if args.fault:
+        from recover_hsdp.faults import FaultSpec
+
+        for spec in args.fault:
+            FaultSpec.parse(spec)  # one-line error now, not inside every rank
+        command += ["--recover.faults.inject", "; ".join(args.fault)]
     return command + list(args.overrides), out
 
 
@@ -108,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="S, FSDP ranks per replica (default: [recover] ranks_per_replica)")
     train.add_argument("--stock", action="store_true", help="stock TorchTitan HSDP via torchrun")
     train.add_argument("--out", default=None, help="output directory (default outputs/<config>)")
+    train.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                       help="inject a real failure: replica=R,step=N,phase=P[,rank=K]"
+                            "[,mode=sigkill|exit|hang][,bucket=B] (repeatable)")
     train.add_argument("overrides", nargs="*", help="after --: torchtitan overrides")
     return parser
 

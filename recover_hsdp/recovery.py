@@ -1,47 +1,42 @@
-"""Cross-replica gradient reduce through FSDP2's all-reduce hook.
+"""In-step recovery: FSDP2 bucket snapshots tagged by epoch; restore and re-reduce stale buckets.
 
-Each FSDP unit ("bucket") calls the hook once per synced backward with its flat fp32
-reduce-scatter output (the sum over the replica's S ranks: force-sum reduction, divide factor 1,
-because TorchTitan already scales the loss by the global token count). The hook sums the bucket
-over the replicas holding the same shard index, in place, through MPI. The result equals stock
-HSDP's gradient up to fp32 summation order.
+Each FSDP unit calls the all-reduce hook once per synced backward with its flat fp32
+reduce-scatter output, a "bucket" (the sum over the replica's S ranks: force-sum reduction and
+divide factor 1, because TorchTitan already scales the loss by the global token count). The
+hook of :class:`BucketSync`:
+
+  1. snapshots the bucket (this replica's local gradient sum for that unit),
+  2. zeroes it if this replica's work is not committed (an unpromoted spare),
+  3. sums it across replicas in place with the guarded MPI all-reduce and tags it with the world
+     epoch it was reduced under (``None`` when the epoch had already failed: not reduced).
+
+[Note: why snapshots are taken before the reduce] A reduce that fails half way leaves the bucket
+partly summed under a membership that no longer exists; nothing in the bucket can be trusted
+after that. The snapshot is the only clean copy of this replica's contribution.
+
+Invariant kept here: a committed gradient is reduced entirely under ONE membership. After a
+consensus that was not clean, :meth:`BucketSync.rereduce` rebuilds every bucket whose tag is not
+the current epoch from its snapshot (plus any extra microbatches' gradients) and reduces it
+again under the new epoch; :meth:`BucketSync.all_current` checks that every bucket carries the
+current epoch before the step may commit.
+
+[Note: hook contract] The hook runs on the main thread with grad mode off; the final ``.grad``
+shard is a view into the bucket, so in-place edits are the intended use. If the hook raised,
+later steps would silently skip gradient reduction: it never raises (errors become a failed
+epoch).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from recover_hsdp.mpi_env import MPI
 
-
-class StaticWorld:
-    """Plain (not yet fault-tolerant) MPI communicators: global and per shard index."""
-
-    def __init__(self, layout, comm=None):
-        base = comm or MPI.COMM_WORLD
-        self.layout = layout
-        self.global_comm = base.Dup()
-        self.shard_comm = base.Split(color=layout.shard, key=layout.replica)
-
-    def is_writer(self) -> bool:
-        return self.global_comm.Get_rank() == 0
-
-    def allreduce_sum(self, buffer: np.ndarray) -> bool:
-        self.shard_comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
-        return True
-
-    def global_sum(self, buffer: np.ndarray) -> np.ndarray:
-        self.global_comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
-        return buffer
-
-    def check_replicas_identical(self, model: torch.nn.Module, step: int) -> None:
-        checksum = local_parameter_checksum(model)
-        values = self.shard_comm.allgather(checksum)
-        if len(set(values)) != 1:
-            raise RuntimeError(f"step {step}: replicas diverged: parameter checksums {values} "
-                               f"for shard {self.layout.shard}")
+def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def local_parameter_checksum(model: torch.nn.Module) -> float:
@@ -54,32 +49,132 @@ def local_parameter_checksum(model: torch.nn.Module) -> float:
     return total
 
 
-def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+@dataclass
+class Bucket:
+    """One FSDP unit's reduce-scatter output for this step, with its snapshot and epoch tag."""
+
+    tensor: torch.Tensor          # FSDP's buffer; the unit's .grad shards are views into it
+    snapshot: torch.Tensor        # this replica's local contribution, taken before the reduce
+    epoch: int | None = None      # epoch it was reduced under; None: not (successfully) reduced
+    extra: torch.Tensor | None = field(default=None)  # gradients of extra microbatches
 
 
-class CrossReplicaReduce:
-    """Installs the MPI all-reduce hook on every FSDP unit of ``model``.
+class BucketSync:
+    """Installs the cross-replica all-reduce hook on every FSDP unit of ``model``.
 
-    [Note: hook contract] The hook runs on the main thread with grad mode off; the final
-    ``.grad`` shard is a view into the bucket, so in-place edits are the intended use. If the
-    hook raised, later steps would silently skip gradient reduction: it must never raise.
+    Args:
+        model: the FSDP2 root module.
+        world: a :class:`recover_hsdp.collectives.FaultTolerantWorld` (``allreduce``, ``epoch``,
+            ``epoch_failed``, ``fail_epoch``).
+        host_snapshots: keep snapshots in (pinned) host memory instead of device memory (GPU).
+        on_bucket: ``on_bucket(index, rereduce)`` called right before each bucket's reduce
+            (fault-injection point "after k of n buckets were reduced").
     """
 
-    def __init__(self, model: torch.nn.Module, world):
+    def __init__(self, model: torch.nn.Module, world, host_snapshots: bool = False,
+                 on_bucket=None):
         self.world = world
+        self.on_bucket = on_bucket or (lambda index, rereduce: None)
+        self.host_snapshots = host_snapshots
         self.units = fsdp_units(model)
         if not self.units:
             raise RuntimeError("model has no FSDP units: the cross-replica reduce needs FSDP2")
+        self.buckets: list[Bucket] = []
+        self.contributes = True
+        self.collecting_extras = False
+        self.reduced_bytes = 0
         for unit in self.units:
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_gradient_divide_factor(1.0)
             unit.set_all_reduce_hook(self._hook)
 
-    def _hook(self, bucket: torch.Tensor) -> None:
-        if bucket.device.type == "cpu":
-            self.world.allreduce_sum(bucket.numpy())
-            return
-        host = bucket.to("cpu", non_blocking=False)
-        self.world.allreduce_sum(host.numpy())
-        bucket.copy_(host)
+    # ------------------------------------------------------------------ step lifecycle
+
+    def begin_step(self, contributes: bool) -> None:
+        """Forget last step's buckets; ``contributes`` False: reduce zeros (unpromoted spare)."""
+        self.buckets = []
+        self.contributes = contributes
+        self.collecting_extras = False
+
+    def begin_extras(self) -> None:
+        """Following synced backwards compute extra microbatches: their buckets are added to the
+        step's buckets (in the same unit order) instead of being reduced."""
+        self.collecting_extras = True
+        self._extra_index = 0
+
+    def snapshot_bytes(self) -> int:
+        return sum(b.snapshot.numel() * b.snapshot.element_size() for b in self.buckets)
+
+    def all_current(self) -> bool:
+        """Every bucket was reduced under the current epoch (cheap run-time invariant check)."""
+        return bool(self.buckets) and all(b.epoch == self.world.epoch for b in self.buckets)
+
+    def stale_count(self) -> int:
+        return sum(b.epoch != self.world.epoch for b in self.buckets)
+
+    # ------------------------------------------------------------------ the hook
+
+    def _hook(self, tensor: torch.Tensor) -> None:
+        try:
+            if self.collecting_extras:
+                self._collect_extra(tensor)
+            else:
+                self._snapshot_and_reduce(tensor)
+        except Exception as err:  # never raise out of the hook: see [Note: hook contract]
+            self.world.fail_epoch(f"all-reduce hook error: {err!r}")
+
+    def _snapshot_and_reduce(self, tensor: torch.Tensor) -> None:
+        if self.host_snapshots and tensor.device.type != "cpu":
+            snapshot = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            snapshot.copy_(tensor)
+        else:
+            snapshot = tensor.detach().clone()
+        bucket = Bucket(tensor=tensor, snapshot=snapshot)
+        self.buckets.append(bucket)
+        if not self.contributes:
+            tensor.zero_()
+        self.on_bucket(len(self.buckets) - 1, False)
+        self._reduce(bucket)
+
+    def _collect_extra(self, tensor: torch.Tensor) -> None:
+        bucket = self.buckets[self._extra_index % len(self.buckets)]
+        self._extra_index += 1
+        extra = tensor.detach().to(bucket.snapshot.device)
+        bucket.extra = extra.clone() if bucket.extra is None else bucket.extra.add_(extra)
+        # FSDP accumulates this buffer into .grad after the hook: make that a no-op; the extra
+        # gradient enters through rereduce().
+        tensor.zero_()
+
+    def _reduce(self, bucket: Bucket) -> None:
+        tensor = bucket.tensor
+        if tensor.device.type == "cpu":
+            ok = self.world.allreduce(tensor.numpy())
+        else:
+            host = tensor.to("cpu")
+            ok = self.world.allreduce(host.numpy())
+            if ok:
+                tensor.copy_(host)
+        self.reduced_bytes += tensor.numel() * tensor.element_size()
+        bucket.epoch = self.world.epoch if ok else None
+
+    # ------------------------------------------------------------------ recovery
+
+    def rereduce(self, contributes: bool) -> int:
+        """Restore every stale bucket from its snapshot (+ extras) and reduce it under the
+        current epoch. Returns how many buckets were re-reduced. A failure during it leaves
+        those buckets stale again: the caller runs the consensus and loops."""
+        self.contributes = contributes
+        self.collecting_extras = False
+        redone = 0
+        for index, bucket in enumerate(self.buckets):
+            if bucket.epoch == self.world.epoch and bucket.extra is None:
+                continue
+            source = bucket.snapshot if contributes else torch.zeros_like(bucket.snapshot)
+            with torch.no_grad():
+                bucket.tensor.copy_(source)
+                if bucket.extra is not None:
+                    bucket.tensor.add_(bucket.extra.to(bucket.tensor.device))
+            self.on_bucket(index, True)
+            self._reduce(bucket)
+            redone += 1
+        return redone

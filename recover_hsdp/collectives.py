@@ -1,0 +1,466 @@
+"""Fault-tolerant collectives across replicas (ULFM MPI): guarded all-reduce, consensus, shrink, epoch.
+
+The bottom layer of recover-hsdp; it imports mpi4py, numpy and the stdlib only. One
+``FaultTolerantWorld`` per process owns:
+
+* the global communicator (every rank of every alive replica; consensus and small scalars),
+* the shard communicator of this rank (for shard index s: the ranks of all alive replicas holding
+  shard s, ordered by replica; the cross-replica gradient reduce),
+* the replica layout: ORIGINAL world rank w is replica ``w // S``, shard index ``w % S``,
+* the world epoch: 0 at start, +1 after every consensus that was not clean.
+
+Contract of the guarded collectives: they never raise and never abort on a process failure. The first
+MPI error of an epoch revokes every communicator of this rank ([Note: revoke everything]) and the call
+returns False; later guarded calls of the same epoch return False at once. The caller then runs
+``consensus(ok)``, which is uniform: every survivor returns the same ``ConsensusResult``.
+
+Buffers are host numpy arrays (C-contiguous float32/float64/int32/int64), reduced in place (SUM) in
+chunks of <= 4 MB ([Note: chunked reduces]). GPU tensors are staged through host memory by the
+recovery layer, not here.
+
+Usage:
+    world = FaultTolerantWorld(MPI.COMM_WORLD, ranks_per_replica=S)
+    ok = world.allreduce(grad_bucket)             # shard communicator, in place
+    ok &= world.allreduce_global(token_counts)    # global communicator
+    res = world.consensus(ok)                     # uniform; repairs when not clean
+    if res.retire:
+        world.retire()                            # this rank's replica lost a rank: exit 0
+    if not res.clean:
+        ...                                       # restore buckets, redo the step under res.epoch
+
+Import this module before anything imports ``mpi4py.MPI``: it sets ``mpi4py.rc`` for ULFM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import mpi4py
+
+if "mpi4py.MPI" not in sys.modules:
+    # [Note: serialized, no finalize] On this stack both btl/tcp self-deadlocks after a death need
+    # THREAD_MULTIPLE (mpi4py's default); MPI_Finalize after a failure hangs in its PMIx fence. So:
+    # one MPI thread, and processes exit without MPI_Finalize (mpirun still returns 0).
+    mpi4py.rc.thread_level = "serialized"
+    mpi4py.rc.finalize = False
+from mpi4py import MPI  # noqa: E402
+import numpy as np  # noqa: E402
+
+from recover_hsdp.mpi_guard import Deadlines, MpiGuard, die, log_line  # noqa: E402
+
+__all__ = ["CHUNK_BYTES", "ConsensusResult", "Deadlines", "FaultTolerantWorld", "ReplicaLayout"]
+
+# [Note: chunked reduces] An Open MPI use-after-free on a failed collective's temporary buffer crashed
+# survivors later in Shrink (2/80 unchunked 64 MB runs, 0/260 with <= 4 MB chunks); chunking is also
+# faster on btl/tcp here. Keep every single MPI reduce at or below this size.
+CHUNK_BYTES = 4 << 20
+
+_MPI_TYPES = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
+              np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaLayout:
+    """Which original world ranks form which replica, and which replicas are still alive.
+
+    Invariant: original world rank w belongs to replica ``w // ranks_per_replica`` and holds shard index
+    ``w % ranks_per_replica``; ``alive_replicas`` is sorted and only ever shrinks.
+    """
+
+    ranks_per_replica: int
+    num_replicas: int
+    alive_replicas: tuple[int, ...]
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.ranks_per_replica
+
+    def shard_of(self, rank: int) -> int:
+        return rank % self.ranks_per_replica
+
+    def ranks_of(self, replica: int) -> tuple[int, ...]:
+        s = self.ranks_per_replica
+        return tuple(range(replica * s, (replica + 1) * s))
+
+    def shard_ranks(self, shard: int) -> tuple[int, ...]:
+        """Original ranks of the shard communicator of ``shard``, ordered by replica."""
+        return tuple(r * self.ranks_per_replica + shard for r in self.alive_replicas)
+
+    def alive_ranks(self) -> tuple[int, ...]:
+        return tuple(w for r in self.alive_replicas for w in self.ranks_of(r))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsensusResult:
+    """Outcome of ``FaultTolerantWorld.consensus``; identical on every rank that took part.
+
+    Attributes:
+        clean: Every rank reported a clean epoch and nobody saw a failure: commit the step.
+        epoch: The world epoch after this call (unchanged when clean, +1 otherwise).
+        dead_replicas: Replicas that died in this call (a replica is dead if ANY of its ranks is gone).
+        alive_replicas: Replicas alive after this call, sorted.
+        retire: This rank's replica is dead: the caller must call ``FaultTolerantWorld.retire()``.
+        detect_s: Seconds from this rank's first failed MPI call (or the start of the consensus when it
+            saw none) to the uniform "not clean" decision; 0 when clean.
+        repair_s: Seconds from that decision to the rebuilt communicators; 0 when clean.
+        rounds: Shrink/rebuild/agree rounds the repair took (0 when clean; > 1 means failures during it).
+    """
+
+    clean: bool
+    epoch: int
+    dead_replicas: frozenset[int]
+    alive_replicas: tuple[int, ...]
+    retire: bool
+    detect_s: float = 0.0
+    repair_s: float = 0.0
+    rounds: int = 0
+
+
+def _mpi_type(buf: np.ndarray) -> MPI.Datatype:
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"expected a numpy host buffer, got {type(buf).__name__} (stage GPU tensors "
+                        "through host memory first)")
+    if not (buf.flags.c_contiguous and buf.flags.writeable):
+        raise ValueError("the buffer must be C-contiguous and writeable (it is reduced in place)")
+    try:
+        return _MPI_TYPES[buf.dtype]
+    except KeyError:
+        raise TypeError(f"unsupported dtype {buf.dtype}; use one of "
+                        f"{sorted(str(d) for d in _MPI_TYPES)}") from None
+
+
+class FaultTolerantWorld:
+    """Communicators, layout and epoch of one rank; see the module docstring for the contract.
+
+    Args:
+        comm: Base communicator; its ranks are the ORIGINAL world ranks. Default ``MPI.COMM_WORLD``.
+            It is ``Dup()``ed; every communicator of this object has ``MPI.ERRORS_RETURN``.
+        ranks_per_replica: S, the FSDP ranks of one replica; must divide the size of ``comm``.
+        deadlines: Time bounds (``Deadlines``); create the world on the main thread.
+        on_phase: Optional callback ``on_phase(name)`` invoked on the main thread right before each
+            step of ``consensus`` ("consensus", "shrink", "rebuild", "agree-membership"): metrics,
+            tracing, fault injection in tests.
+
+    Initial construction is collective over ``comm`` and not fault tolerant (a failure raises).
+    The hang watchdog starts here: beat ``heartbeat()`` during long computations or use
+    ``watchdog_paused()`` (see ``recover_hsdp.mpi_guard``). Only the main thread may call MPI.
+    """
+
+    def __init__(self, comm: MPI.Comm | None = None, ranks_per_replica: int = 1,
+                 deadlines: Deadlines | None = None, *,
+                 on_phase: Callable[[str], None] | None = None) -> None:
+        comm = MPI.COMM_WORLD if comm is None else comm
+        size = comm.Get_size()
+        if not isinstance(ranks_per_replica, int) or ranks_per_replica < 1 or size % ranks_per_replica:
+            raise ValueError(f"ranks_per_replica={ranks_per_replica!r} must be a positive divisor of the "
+                             f"world size {size} (world = replicas x ranks_per_replica)")
+        if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+            raise RuntimeError("MPI was initialised with THREAD_MULTIPLE: import recover_hsdp.collectives "
+                               "before mpi4py.MPI (or set mpi4py.rc.thread_level = 'serialized')")
+        self.deadlines = deadlines if deadlines is not None else Deadlines()
+        self._on_phase = on_phase
+        self.world_rank = comm.Get_rank()
+        self.replica, self.shard = divmod(self.world_rank, ranks_per_replica)
+        self._guard = MpiGuard(self.deadlines, name=f"world rank {self.world_rank}")
+        if mpi4py.rc.finalize is not False:
+            log_line("warning: mpi4py.rc.finalize is not False (mpi4py.MPI was imported before "
+                     "recover_hsdp.collectives); MPI_Finalize at exit can hang after a failure")
+        with self._guard.call("Dup", self.deadlines.repair_s):
+            self._global = comm.Dup()
+        self._global.Set_errhandler(MPI.ERRORS_RETURN)
+        self._base_group = self._global.Get_group()
+        self._shard = self._split(self._global, self.shard, self.replica)
+        self.layout = ReplicaLayout(ranks_per_replica, size // ranks_per_replica,
+                                    tuple(range(size // ranks_per_replica)))
+        self.epoch = 0
+        self.retired = False
+        self._failed_at: float | None = None  # monotonic start of this epoch's first failed call
+        self._graveyard: list[MPI.Comm] = []  # [Note: never free a communicator that saw a failure]
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def global_comm(self) -> MPI.Comm:
+        return self._global
+
+    @property
+    def shard_comm(self) -> MPI.Comm:
+        return self._shard
+
+    @property
+    def alive_replicas(self) -> tuple[int, ...]:
+        return self.layout.alive_replicas
+
+    @property
+    def epoch_failed(self) -> bool:
+        """This rank saw a failure in the current epoch (its communicators are revoked)."""
+        return self._failed_at is not None
+
+    def shard_members(self) -> tuple[int, ...]:
+        """Original world ranks in my shard communicator, in its rank order (by replica)."""
+        return self.layout.shard_ranks(self.shard)
+
+    # -- hang watchdog ----------------------------------------------------------------------------
+    def heartbeat(self) -> None:
+        """Tell the hang watchdog the main thread is making progress (every guarded call also beats)."""
+        self._guard.beat()
+
+    def watchdog_paused(self):
+        """Context manager: no hang detection inside (MPI-call deadlines still apply)."""
+        return self._guard.paused()
+
+    # -- guarded collectives ----------------------------------------------------------------------
+    def allreduce(self, buf: np.ndarray) -> bool:
+        """SUM-all-reduce ``buf`` in place over my shard communicator. False: this epoch saw a failure
+        (``buf`` is then garbage: restore it from a snapshot after the consensus)."""
+        return self._allreduce(self._shard, buf, "shard")
+
+    def allreduce_global(self, buf: np.ndarray) -> bool:
+        """SUM-all-reduce a small ``buf`` in place over the global communicator (same contract)."""
+        return self._allreduce(self._global, buf, "global")
+
+    def allgather(self, obj: Any) -> list[Any] | None:
+        """Allgather a small picklable object (e.g. a parameter checksum) over my shard communicator,
+        in replica order. None: this epoch saw a failure."""
+        return self._allgather(self._shard, obj, "shard")
+
+    def allgather_global(self, obj: Any) -> list[Any] | None:
+        """Allgather a small picklable object over the global communicator, in world-rank order."""
+        return self._allgather(self._global, obj, "global")
+
+    def barrier(self) -> bool:
+        """Barrier on the global communicator. False: this epoch saw a failure."""
+        return self._guarded("Barrier(global)", self._global.Barrier)
+
+    def fail_epoch(self, reason: str) -> None:
+        """Record a failure seen outside MPI (e.g. a gloo error inside the replica) and revoke every
+        communicator, so no peer stays blocked in a collective this rank will skip. Idempotent."""
+        self._check_usable()
+        if self._failed_at is None:
+            self._failed_at = time.monotonic()
+            log_line(f"rank {self.world_rank} epoch {self.epoch}: failure ({reason}); revoking")
+        self._revoke(self._global, self._shard)
+
+    def _allreduce(self, comm: MPI.Comm, buf: np.ndarray, which: str) -> bool:
+        mpitype = _mpi_type(buf)
+        self._check_usable()
+        if self._failed_at is not None:
+            return False
+        flat = buf.reshape(-1)
+        step = max(1, CHUNK_BYTES // buf.itemsize)
+        for lo in range(0, flat.size, step):
+            chunk = flat[lo:lo + step]
+            if not self._guarded(f"Allreduce({which})",
+                                 lambda: comm.Allreduce(MPI.IN_PLACE, [chunk, mpitype], op=MPI.SUM)):
+                return False
+        return True
+
+    def _allgather(self, comm: MPI.Comm, obj: Any, which: str) -> list[Any] | None:
+        self._check_usable()
+        if self._failed_at is not None:
+            return None
+        out: list[Any] = []
+        ok = self._guarded(f"allgather({which})", lambda: out.extend(comm.allgather(obj)))
+        return out if ok else None
+
+    def _guarded(self, name: str, fn: Callable[[], Any]) -> bool:
+        self._check_usable()
+        if self._failed_at is not None:
+            return False
+        started = time.monotonic()
+        try:
+            with self._guard.call(name, self.deadlines.call_s):
+                fn()
+            return True
+        except MPI.Exception as e:
+            self._failed_at = started
+            log_line(f"rank {self.world_rank} epoch {self.epoch}: {name} failed with "
+                     f"{_errname(e)}; revoking all communicators")
+            # [Note: revoke everything] Revoking only the global communicator HANGS a rank blocked in
+            # a shard-communicator collective whose members are all alive: revoke every communicator.
+            self._revoke(self._global, self._shard)
+            return False
+
+    # -- consensus and repair ---------------------------------------------------------------------
+    def consensus(self, ok: bool) -> ConsensusResult:
+        """Uniformly agree that this epoch was clean on every rank (``ok`` is this rank's verdict).
+
+        Clean: returns ``clean=True``; nothing changes. Otherwise every survivor revokes, shrinks the
+        global communicator, drops every replica that lost a rank, increments the epoch and rebuilds the
+        global and shard communicators; failures during the repair loop it (bounded by
+        ``Deadlines.max_repair_rounds``; past the bound this rank dies, it never hangs). All survivors
+        return the same result; ranks of dead replicas get ``retire=True``.
+        """
+        self._check_usable()
+        started = time.monotonic()
+        if not ok:
+            self.fail_epoch("caller reported a failed epoch")
+        self._phase("consensus")
+        clean = self._agree(self._global, self._failed_at is None)
+        if clean:
+            return ConsensusResult(True, self.epoch, frozenset(), self.layout.alive_replicas, False)
+        decided = time.monotonic()
+        detect_s = decided - (self._failed_at if self._failed_at is not None else started)
+        return self._repair(decided, detect_s)
+
+    def _repair(self, decided: float, detect_s: float) -> ConsensusResult:
+        self._revoke(self._global, self._shard)
+        self._graveyard += [self._global, self._shard]
+        old_alive = self.layout.alive_replicas
+        base = self._global
+        max_rounds = self.deadlines.max_repair_rounds or base.Get_size() + 2
+        for rnd in range(1, max_rounds + 1):
+            self._phase("shrink")
+            try:
+                with self._guard.call("Shrink", self.deadlines.repair_s):
+                    shrunk = base.Shrink()
+            except MPI.Exception as e:
+                log_line(f"rank {self.world_rank}: Shrink raised {_errname(e)} (round {rnd}); retrying")
+                continue
+            shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+            self._graveyard.append(shrunk)
+            members = set(self._members(shrunk))
+            complete = tuple(r for r in old_alive if members.issuperset(self.layout.ranks_of(r)))
+            mine = self.replica in complete
+            self._phase("rebuild")
+            new_global = new_shard = None
+            built = True
+            try:
+                # Both Splits are collectives over `shrunk`, so one revoke of `shrunk` releases every
+                # rank still inside them when any rank fails here.
+                new_global = self._split(shrunk, 0 if mine else MPI.UNDEFINED, self.world_rank)
+                new_shard = self._split(shrunk, self.shard if mine else MPI.UNDEFINED, self.replica)
+            except MPI.Exception as e:
+                log_line(f"rank {self.world_rank}: rebuild failed with {_errname(e)} (round {rnd})")
+                built = False
+                self._revoke(shrunk)
+            self._phase("agree-membership")
+            if self._agree(shrunk, built):
+                return self._commit(old_alive, complete, new_global, new_shard, decided, detect_s, rnd)
+            self._revoke(*(c for c in (new_global, new_shard) if c is not None))
+            self._graveyard += [c for c in (new_global, new_shard) if c is not None]
+            base = shrunk
+        die(f"rank {self.world_rank}: no agreed membership after {max_rounds} repair rounds: dying "
+            "rather than hanging")
+        raise AssertionError("unreachable")
+
+    def _commit(self, old_alive: tuple[int, ...], complete: tuple[int, ...], new_global: MPI.Comm,
+                new_shard: MPI.Comm, decided: float, detect_s: float, rounds: int) -> ConsensusResult:
+        self.epoch += 1
+        self.layout = dataclasses.replace(self.layout, alive_replicas=complete)
+        dead = frozenset(old_alive) - frozenset(complete)
+        retire = self.replica not in complete
+        if retire:
+            self.retired = True
+        else:
+            self._global, self._shard = new_global, new_shard
+            self._failed_at = None
+        repair_s = time.monotonic() - decided
+        log_line(f"rank {self.world_rank}: epoch {self.epoch}: dead replicas {sorted(dead)}, alive "
+                 f"{list(complete)}, detect {detect_s:.3f}s repair {repair_s:.3f}s rounds {rounds}"
+                 + (" -> retiring" if retire else ""))
+        return ConsensusResult(False, self.epoch, dead, complete, retire, detect_s, repair_s, rounds)
+
+    def _agree(self, comm: MPI.Comm, flag: bool) -> bool:
+        """Uniform AND of ``flag`` over the live members of ``comm`` (works on a revoked comm).
+
+        Agree raises (uniformly) while any participant has unacknowledged failures; such a raise means
+        "someone failed", so the flag becomes 0 and we Ack_failed and agree again. Each retry needs a new
+        failure, so the loop is bounded by the communicator size.
+        """
+        buf = np.zeros(1, dtype=np.int32)
+        value = 1 if flag else 0
+        for _ in range(comm.Get_size() + 2):
+            buf[0] = value
+            try:
+                with self._guard.call("Agree", self.deadlines.repair_s):
+                    comm.Iagree(buf).Wait()
+                return bool(buf[0] & 1)
+            except MPI.Exception:
+                value = 0
+                try:
+                    with self._guard.call("Ack_failed", self.deadlines.repair_s):
+                        comm.Ack_failed()
+                except MPI.Exception:
+                    pass
+        die(f"rank {self.world_rank}: Agree kept failing: dying rather than hanging")
+        raise AssertionError("unreachable")
+
+    # -- leaving ----------------------------------------------------------------------------------
+    def retire(self, message: str = "") -> NoReturn:
+        """Leave the job after ``consensus`` returned ``retire=True``: log one line and exit 0.
+
+        [Note: exiting without Finalize] MPI_Finalize after failures hangs on this stack, so the process
+        exits with os._exit(0) without it. It first waits ``Deadlines.retire_grace_s``: an immediate
+        exit made a slower peer, still finishing the last agreement, see a new failure.
+        """
+        if not self.retired:
+            raise RuntimeError("retire() called but consensus did not ask this rank to retire")
+        print(f"RETIRE rank {self.world_rank} (replica {self.replica}, shard {self.shard}): replica "
+              f"{self.replica} lost a rank; retiring at epoch {self.epoch}, exit 0"
+              + (f": {message}" if message else ""), flush=True)
+        self._guard.close()
+        time.sleep(self.deadlines.retire_grace_s)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def close(self) -> None:
+        """Stop the watchdog and disarm deadlines (communicators are left to process exit)."""
+        self._guard.close()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self.retired:
+            raise RuntimeError(f"rank {self.world_rank} has retired (its replica is dead); call retire()")
+
+    def _phase(self, name: str) -> None:
+        self._guard.beat()
+        if self._on_phase is not None:
+            self._on_phase(name)
+
+    def _split(self, comm: MPI.Comm, color: int, key: int) -> MPI.Comm | None:
+        with self._guard.call("Split", self.deadlines.repair_s):
+            new = comm.Split(color, key)
+        if new == MPI.COMM_NULL:
+            return None
+        new.Set_errhandler(MPI.ERRORS_RETURN)
+        return new
+
+    def _members(self, comm: MPI.Comm) -> list[int]:
+        group = comm.Get_group()
+        try:
+            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._base_group)
+        finally:
+            group.Free()
+        return sorted(ranks)
+
+    def _revoke(self, *comms: MPI.Comm | None) -> None:
+        for c in comms:
+            if c is None or c == MPI.COMM_NULL:
+                continue
+            try:
+                if not c.Is_revoked():
+                    with self._guard.call("Revoke", self.deadlines.repair_s):
+                        c.Revoke()
+            except MPI.Exception:
+                pass
+
+
+# [Note: never free a communicator that saw a failure] MPI_Comm_free on a revoked or failed
+# communicator is not exercised by ULFM users and buys nothing here (a few handles per failure); the
+# old communicators are parked in FaultTolerantWorld._graveyard until the process exits.
+
+
+def _errname(e: BaseException) -> str:
+    try:
+        cls = e.Get_error_class()  # type: ignore[attr-defined]
+    except Exception:
+        return repr(e)
+    names = {MPI.ERR_PROC_FAILED: "ERR_PROC_FAILED", MPI.ERR_REVOKED: "ERR_REVOKED",
+             MPI.ERR_PROC_FAILED_PENDING: "ERR_PROC_FAILED_PENDING"}
+    return names.get(cls, f"MPI error class {cls}")
+

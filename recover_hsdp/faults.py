@@ -1,0 +1,137 @@
+"""Real failure injection: a rank or a whole replica really dies (SIGKILL / exit) or hangs.
+
+Faults come from ``[recover.faults]`` (``inject``: specs separated by ";") or the launcher's
+repeatable ``--fault replica=R,step=N,phase=P[,rank=K][,mode=sigkill|exit|hang][,bucket=B]``,
+plus an optional paper-like schedule: one failure every ``every`` steps at a seeded random step
+inside each interval, until ``max_failures`` replicas are lost. Every rank expands the same
+schedule, so no messages are needed.
+
+``rank=K`` kills only shard rank K of the replica (its peers must then leave with it: a replica
+lives or dies as a unit); without it every rank of the replica dies at the same point.
+``bucket=B`` (phases grad_sync / rereduce): fire just before the B-th bucket's cross-replica
+reduce; B >= the number of buckets fires after the last one.
+
+Before dying the victim appends one line to ``faults_fired.jsonl`` (fsync'ed), the counter the
+tests check afterwards.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from recover_hsdp.config import ConfigError
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    GRAD_SYNC = "grad_sync"
+    CONSENSUS = "consensus"
+    REREDUCE = "rereduce"
+    OPTIMIZER = "optimizer"
+
+
+class Mode(str, enum.Enum):
+    SIGKILL = "sigkill"
+    EXIT = "exit"
+    HANG = "hang"
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    replica: int
+    step: int
+    phase: Phase
+    rank: int | None = None
+    mode: Mode = Mode.SIGKILL
+    bucket: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "FaultSpec":
+        fields = {}
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = item.partition("=")
+            fields[key.strip()] = value.strip()
+        try:
+            spec = cls(replica=int(fields.pop("replica")), step=int(fields.pop("step")),
+                       phase=Phase(fields.pop("phase", "grad_sync")),
+                       rank=int(fields["rank"]) if "rank" in fields else None,
+                       mode=Mode(fields.pop("mode", "sigkill")),
+                       bucket=int(fields.pop("bucket", 0)))
+            fields.pop("rank", None)
+        except (KeyError, ValueError) as err:
+            raise ConfigError(
+                f"--fault {text!r}: {err}: expected replica=R,step=N,phase="
+                f"{'|'.join(p.value for p in Phase)}[,rank=K][,mode=sigkill|exit|hang]"
+                "[,bucket=B]") from None
+        if fields:
+            raise ConfigError(f"--fault {text!r}: unknown key {sorted(fields)[0]!r}")
+        return spec
+
+
+def paper_schedule(replicas: int, every: int, max_failures: int, phase: Phase, seed: int,
+                   protect: int = 0) -> list[FaultSpec]:
+    """One failure per ``every``-step interval at a seeded random step, victims drawn without
+    replacement (never replica ``protect``, so one survivor always remains)."""
+    rng = random.Random(seed)
+    victims = [r for r in range(replicas) if r != protect]
+    rng.shuffle(victims)
+    specs = []
+    for index, victim in enumerate(victims[:max_failures]):
+        step = index * every + rng.randint(1, every)
+        specs.append(FaultSpec(replica=victim, step=step, phase=phase))
+    return specs
+
+
+class FaultInjector:
+    """Fires this rank's faults at (step, phase[, bucket]) points the trainer reports."""
+
+    def __init__(self, specs: list[FaultSpec], replica: int, shard: int, out_dir: str | Path):
+        self.mine = [s for s in specs if s.replica == replica and s.rank in (None, shard)]
+        self.replica, self.shard = replica, shard
+        self.out_dir = Path(out_dir)
+
+    def at(self, step: int, phase: Phase, bucket: int | None = None,
+           buckets_total: int | None = None) -> None:
+        for spec in self.mine:
+            if spec.step != step or spec.phase != phase:
+                continue
+            if bucket is not None and spec.bucket != bucket and not (
+                    buckets_total is not None and bucket >= buckets_total
+                    and spec.bucket >= buckets_total):
+                continue
+            self._fire(spec)
+
+    def _fire(self, spec: FaultSpec) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        record = {"replica": self.replica, "shard": self.shard, "step": spec.step,
+                  "phase": spec.phase.value, "mode": spec.mode.value, "bucket": spec.bucket,
+                  "pid": os.getpid(), "time": time.time()}
+        with open(self.out_dir / "faults_fired.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        print(f"[recover-hsdp fault] replica {self.replica} shard {self.shard}: "
+              f"{spec.mode.value} at step {spec.step} {spec.phase.value}", flush=True)
+        if spec.mode is Mode.SIGKILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if spec.mode is Mode.EXIT:
+            os._exit(17)
+        while True:  # HANG: alive but stuck; the hang watchdog must kill this rank
+            time.sleep(3600)
+
+
+def build_injector(fault_config, replicas: int, replica: int, shard: int,
+                   out_dir: str | Path) -> FaultInjector:
+    specs = [FaultSpec.parse(t) for t in fault_config.inject.split(";") if t.strip()]
+    if fault_config.every > 0:
+        specs += paper_schedule(replicas, fault_config.every, fault_config.max_failures,
+                                Phase(fault_config.phase), fault_config.seed)
+    return FaultInjector(specs, replica, shard, out_dir)

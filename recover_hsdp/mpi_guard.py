@@ -1,0 +1,184 @@
+"""Deadlines and a hang watchdog that turn "stuck" into "dead" for the ULFM collectives layer.
+
+ULFM repairs communicators after a process *dies*. It cannot see a process that is alive but makes no
+progress (a stuck kernel, a deadlock inside Open MPI, an endless loop): the survivors would wait for it
+forever. This module bounds both cases and turns them into an ordinary death, which ULFM then handles:
+
+* **MPI-call deadlines.** Every guarded MPI call runs inside ``MpiGuard.call(name, seconds)``. If it has
+  not returned after ``seconds`` the watchdog thread logs one line and SIGKILLs its own process. A kernel
+  timer (``setitimer(ITIMER_REAL)``, SIGALRM with the default action: terminate) fires ``backstop_s``
+  later as a backstop, because a thread cannot run while an MPI call holds the GIL (``MPI_Finalize``
+  does; collectives release it). See [Note: deadline as a safety net].
+* **Hang watchdog.** Outside MPI calls the main thread must show progress: every guarded MPI call beats
+  the heartbeat, and so must ``heartbeat()``. If nobody beats for ``hang_timeout_s`` the watchdog logs
+  and SIGKILLs its own process, so its peers see a death (within ``hang_timeout_s`` plus detection)
+  instead of waiting for it forever. Long legitimate computations either beat (cheap: one float store)
+  or run inside ``paused()``.
+
+Invariants: only the main thread calls MPI (the watchdog thread only reads two floats and may kill its
+own process); the guard owns SIGALRM in this process; ``call()`` contexts do not nest.
+
+[Note: deadline as a safety net]
+On this stack (Open MPI 5.0.11 btl/tcp) a death can, rarely, deadlock a *healthy* survivor inside
+Open MPI (see docs/ULFM_NOTES.md). A deadline converts that deadlock into a death of the stuck rank, which
+costs one healthy rank but never hangs the job. It must therefore be generous: longer than the worst
+legitimate wait, which includes a peer that computes longer (skew) and a hung peer that its own watchdog
+has not killed yet. Hence ``Deadlines`` requires ``call_s`` and ``repair_s`` > ``hang_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class Deadlines:
+    """Time bounds of the fault-tolerant collectives (seconds).
+
+    Attributes:
+        call_s: Deadline of one ordinary guarded MPI call (one <= 4 MB chunk of an all-reduce, an
+            allgather, a barrier). Must exceed the longest time a rank can wait for its slowest peer to
+            arrive (compute skew) and ``hang_timeout_s``.
+        repair_s: Deadline of one Revoke, Shrink, Agree or Split. Must exceed ``hang_timeout_s``: a hung
+            peer blocks Shrink and Agree until its own watchdog kills it.
+        hang_timeout_s: The watchdog kills this process when its main thread has been outside MPI
+            without a heartbeat for this long. ``None`` disables the hang watchdog (deadlines stay).
+        backstop_s: Extra seconds after a deadline before the kernel timer (SIGALRM) terminates the
+            process, in case the watchdog thread cannot run (GIL held inside MPI).
+        poll_s: How often the watchdog thread checks. ``None``: min(1 s, smallest bound / 10).
+        max_repair_rounds: Bound on Shrink/rebuild/agree rounds of one recovery; each extra round needs a
+            new failure, so world size + 2 always suffices. ``None``: world size + 2. Exceeding it kills
+            the rank (a death, never a hang).
+        retire_grace_s: Seconds a retiring rank waits after the final agreement before it exits, so that
+            slower peers finish that agreement before its death becomes visible to them.
+    """
+
+    call_s: float = 600.0
+    repair_s: float = 900.0
+    hang_timeout_s: float | None = 300.0
+    backstop_s: float = 10.0
+    poll_s: float | None = None
+    max_repair_rounds: int | None = None
+    retire_grace_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("call_s", "repair_s", "backstop_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Deadlines.{name} must be > 0 (got {getattr(self, name)!r})")
+        if self.retire_grace_s < 0:
+            raise ValueError(f"Deadlines.retire_grace_s must be >= 0 (got {self.retire_grace_s!r})")
+        if self.hang_timeout_s is not None:
+            if not self.hang_timeout_s > 0:
+                raise ValueError("Deadlines.hang_timeout_s must be > 0 or None (got "
+                                 f"{self.hang_timeout_s!r})")
+            for name in ("call_s", "repair_s"):
+                if not getattr(self, name) > self.hang_timeout_s:
+                    raise ValueError(f"Deadlines.{name} ({getattr(self, name)}) must be > hang_timeout_s "
+                                     f"({self.hang_timeout_s}): survivors must outlive a hung peer's "
+                                     "watchdog")
+        if self.max_repair_rounds is not None and self.max_repair_rounds < 1:
+            raise ValueError(f"Deadlines.max_repair_rounds must be >= 1 (got {self.max_repair_rounds!r})")
+
+    @classmethod
+    def for_tests(cls, hang_timeout_s: float = 3.0) -> Deadlines:
+        """Short bounds for tests on a small, oversubscribed machine."""
+        return cls(call_s=hang_timeout_s + 20.0, repair_s=hang_timeout_s + 25.0,
+                   hang_timeout_s=hang_timeout_s, backstop_s=5.0, retire_grace_s=0.5)
+
+    @property
+    def effective_poll_s(self) -> float:
+        if self.poll_s is not None:
+            return self.poll_s
+        bounds = [self.call_s, self.repair_s] + ([self.hang_timeout_s] if self.hang_timeout_s else [])
+        return min(1.0, min(bounds) / 10.0)
+
+
+def log_line(msg: str) -> None:
+    """Write one line to stderr with os.write: safe from any thread, even if the main thread is stuck
+    holding the sys.stderr lock."""
+    os.write(2, f"[recover_hsdp pid {os.getpid()} t={time.time():.3f}] {msg}\n".encode())
+
+
+def die(msg: str) -> None:
+    """Log ``msg`` and SIGKILL this process: to its MPI peers this is an ordinary process failure."""
+    log_line(msg)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class MpiGuard:
+    """Per-process deadline + hang watchdog. Create it on the main thread (it installs SIGALRM)."""
+
+    def __init__(self, deadlines: Deadlines, name: str = "") -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("MpiGuard must be created on the main thread (it owns SIGALRM and the "
+                               "main thread is the only one allowed to call MPI)")
+        self.deadlines = deadlines
+        self.name = name
+        # [Note: deadline as a safety net] SIG_DFL terminates the process even while the main thread
+        # sits in C code; a Python-level handler would never run there.
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        self._beat = time.monotonic()
+        self._call: tuple[str, float, float] | None = None  # (name, started, deadline)
+        self._paused = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="recover-hsdp-watchdog", daemon=True)
+        self._thread.start()
+
+    # -- main-thread API ------------------------------------------------------------------------
+    def beat(self) -> None:
+        """Heartbeat: the main thread is making progress."""
+        self._beat = time.monotonic()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Suspend the hang watchdog (not the MPI deadlines) for a long computation without beats."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self.beat()
+
+    @contextlib.contextmanager
+    def call(self, name: str, seconds: float) -> Iterator[None]:
+        """Run one MPI call under a deadline of ``seconds`` (see module docstring)."""
+        assert self._call is None, f"nested guarded MPI calls ({self._call[0]} then {name})"
+        now = time.monotonic()
+        self._beat = now
+        self._call = (name, now, now + seconds)
+        signal.setitimer(signal.ITIMER_REAL, seconds + self.deadlines.backstop_s)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            self._call = None
+            self._beat = time.monotonic()
+
+    def close(self) -> None:
+        """Stop the watchdog thread and disarm the kernel timer."""
+        self._stop.set()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)
+
+    # -- watchdog thread ------------------------------------------------------------------------
+    def _watch(self) -> None:
+        poll = self.deadlines.effective_poll_s
+        hang = self.deadlines.hang_timeout_s
+        while not self._stop.wait(poll):
+            now = time.monotonic()
+            call = self._call
+            if call is not None:
+                name, started, deadline = call
+                if now > deadline:
+                    die(f"{self.name}: MPI call {name} still blocked after {now - started:.1f} s "
+                        "(deadline): killing this rank so that ULFM sees an ordinary death")
+            elif hang is not None and not self._paused and now - self._beat > hang:
+                die(f"{self.name}: no progress (heartbeat) for {now - self._beat:.1f} s > "
+                    f"hang_timeout_s={hang}: killing this hung rank so that ULFM sees an ordinary death")

