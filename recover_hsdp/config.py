@@ -83,6 +83,10 @@ class Recover:
     """At the end of the run write the full (unsharded) parameters to ``final_params.pt`` in
     ``job.dump_folder`` (used by the equivalence tests; costs one gather of the model)."""
 
+    dump_step_gradients: str = ""
+    """Comma-separated steps at which the writer saves the full parameters before the update and
+    the committed (reduced, unclipped) gradient to ``grads_step<N>.pt`` (oracle tests)."""
+
     check_replica_consistency: bool = True
     """After every step compare a checksum of each parameter shard across replicas and stop with
     an error if replicas diverged (cheap: one float per rank)."""

@@ -250,6 +250,8 @@ class RecoverTrainer(Trainer):
                 if param.grad is not None:
                     param.grad.mul_(scale)
             loss_sum *= scale
+        if str(self.step) in self.recover_config.dump_step_gradients.split(","):
+            self._dump_step_gradients()
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.job_config.training.max_norm, foreach=True)
@@ -319,12 +321,23 @@ class RecoverTrainer(Trainer):
             self.policy = WorkloadPolicy.from_state_dict(state_dict["workload"],
                                                          alive_replicas=self.world.alive_replicas)
 
-    def _save_final_params(self) -> None:
-        """Gather full parameters (a collective inside the torch world) and write them."""
+    def _full_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Unsharded parameters (or gradients): a collective inside the replica's torch world."""
         full = {}
         for name, param in self.model_parts[0].named_parameters():
-            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+            tensor = param.grad if grads else param
+            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             full[name] = tensor.detach().to("cpu", torch.float32).clone()
+        return full
+
+    def _dump_step_gradients(self) -> None:
+        params, grads = self._full_tensors(), self._full_tensors(grads=True)
+        if self.run_metrics.is_writer:
+            torch.save({"params": params, "grads": grads},
+                       f"{self.job_config.job.dump_folder}/grads_step{self.step}.pt")
+
+    def _save_final_params(self) -> None:
+        full = self._full_tensors()
         if self.run_metrics.is_writer:
             torch.save(full, f"{self.job_config.job.dump_folder}/final_params.pt")
 
