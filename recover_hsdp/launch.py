@@ -118,11 +118,20 @@ def _parser() -> argparse.ArgumentParser:
                        help="inject a real failure: replica=R,step=N,phase=P[,rank=K]"
                             "[,mode=sigkill|exit|hang][,bucket=B] (repeatable)")
     train.add_argument("overrides", nargs="*", help="after --: torchtitan overrides")
+    demo = sub.add_parser("demo", help="the failure demo: a failure-free reference run, then the "
+                                       "same job with replicas SIGKILLed during the gradient sync")
+    demo.add_argument("--config", default="torchtitan_configs/debug_cpu.toml")
+    demo.add_argument("--replicas", type=int, default=4)
+    demo.add_argument("--out", default="outputs/demo")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from recover_hsdp.demo import run_demo
+
+        return run_demo(args, train_main=main)
     try:
         command, out = build_command(args)
     except ConfigError as err:
