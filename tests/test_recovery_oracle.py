@@ -53,12 +53,13 @@ def test_kill_after_k_buckets_4x1(tmp_path, local_corpus, k):
     _check_against_oracle(out, 1, [2])
 
 
-def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus):
-    """2 x 2: shard rank 1 of replica 1 dies after 1 bucket; its live peer must leave with it
-    (RETIRE line) and the survivor replica commits all 4 ids (B = 2 x G = 2)."""
+@pytest.mark.parametrize("k", [0, 1, N_BUCKETS - 1, N_BUCKETS])
+def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus, k):
+    """2 x 2: shard rank 1 of replica 1 dies after k buckets; its live peer must leave with it
+    (RETIRE line) and the surviving replica commits both ids of the step (B = 2 x G = 1)."""
     out = tmp_path / "r22"
     args = ["train", "--config", str(DEBUG_CONFIG), "--replicas", "2", "--ranks-per-replica", "2",
-            "--out", str(out), "--fault", f"replica=1,step={STEP},phase=grad_sync,bucket=1,rank=1"]
+            "--out", str(out), "--fault", f"replica=1,step={STEP},phase=grad_sync,bucket={k},rank=1"]
     result = run_cli(args + ["--", "--training.steps", "3", "--recover.hang_timeout_s", "10",
                              "--recover.dump_step_gradients", str(STEP)])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
