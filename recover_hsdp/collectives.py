@@ -51,6 +51,7 @@ if "mpi4py.MPI" not in sys.modules:
 from mpi4py import MPI  # noqa: E402
 import numpy as np  # noqa: E402
 
+from recover_hsdp.membership import ConsensusResult, ReplicaLayout  # noqa: E402
 from recover_hsdp.mpi_guard import Deadlines, MpiGuard, die, log_line  # noqa: E402
 
 __all__ = ["CHUNK_BYTES", "ConsensusResult", "Deadlines", "FaultTolerantWorld", "ReplicaLayout"]
@@ -62,62 +63,6 @@ CHUNK_BYTES = 4 << 20
 
 _MPI_TYPES = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
               np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T}
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaLayout:
-    """Which original world ranks form which replica, and which replicas are still alive.
-
-    Invariant: original world rank w belongs to replica ``w // ranks_per_replica`` and holds shard index
-    ``w % ranks_per_replica``; ``alive_replicas`` is sorted and only ever shrinks.
-    """
-
-    ranks_per_replica: int
-    num_replicas: int
-    alive_replicas: tuple[int, ...]
-
-    def replica_of(self, rank: int) -> int:
-        return rank // self.ranks_per_replica
-
-    def shard_of(self, rank: int) -> int:
-        return rank % self.ranks_per_replica
-
-    def ranks_of(self, replica: int) -> tuple[int, ...]:
-        s = self.ranks_per_replica
-        return tuple(range(replica * s, (replica + 1) * s))
-
-    def shard_ranks(self, shard: int) -> tuple[int, ...]:
-        """Original ranks of the shard communicator of ``shard``, ordered by replica."""
-        return tuple(r * self.ranks_per_replica + shard for r in self.alive_replicas)
-
-    def alive_ranks(self) -> tuple[int, ...]:
-        return tuple(w for r in self.alive_replicas for w in self.ranks_of(r))
-
-
-@dataclasses.dataclass(frozen=True)
-class ConsensusResult:
-    """Outcome of ``FaultTolerantWorld.consensus``; identical on every rank that took part.
-
-    Attributes:
-        clean: Every rank reported a clean epoch and nobody saw a failure: commit the step.
-        epoch: The world epoch after this call (unchanged when clean, +1 otherwise).
-        dead_replicas: Replicas that died in this call (a replica is dead if ANY of its ranks is gone).
-        alive_replicas: Replicas alive after this call, sorted.
-        retire: This rank's replica is dead: the caller must call ``FaultTolerantWorld.retire()``.
-        detect_s: Seconds from this rank's first failed MPI call (or the start of the consensus when it
-            saw none) to the uniform "not clean" decision; 0 when clean.
-        repair_s: Seconds from that decision to the rebuilt communicators; 0 when clean.
-        rounds: Shrink/rebuild/agree rounds the repair took (0 when clean; > 1 means failures during it).
-    """
-
-    clean: bool
-    epoch: int
-    dead_replicas: frozenset[int]
-    alive_replicas: tuple[int, ...]
-    retire: bool
-    detect_s: float = 0.0
-    repair_s: float = 0.0
-    rounds: int = 0
 
 
 def _mpi_type(buf: np.ndarray) -> MPI.Datatype:
@@ -179,7 +124,9 @@ class FaultTolerantWorld:
         self.epoch = 0
         self.retired = False
         self._failed_at: float | None = None  # monotonic start of this epoch's first failed call
-        self._graveyard: list[MPI.Comm] = []  # [Note: never free a communicator that saw a failure]
+        # Old communicators are parked here, never freed: MPI_Comm_free on revoked or failed
+        # communicators is not what ULFM users exercise, and a few handles per failure cost nothing.
+        self._graveyard: list[MPI.Comm] = []
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -246,22 +193,13 @@ class FaultTolerantWorld:
 
     def _allreduce(self, comm: MPI.Comm, buf: np.ndarray, which: str) -> bool:
         mpitype = _mpi_type(buf)
-        self._check_usable()
-        if self._failed_at is not None:
-            return False
-        flat = buf.reshape(-1)
+        flat = buf.reshape(-1)  # a view: buf is C-contiguous
         step = max(1, CHUNK_BYTES // buf.itemsize)
-        for lo in range(0, flat.size, step):
-            chunk = flat[lo:lo + step]
-            if not self._guarded(f"Allreduce({which})",
-                                 lambda: comm.Allreduce(MPI.IN_PLACE, [chunk, mpitype], op=MPI.SUM)):
-                return False
-        return True
+        return all(self._guarded(f"Allreduce({which})", lambda lo=lo: comm.Allreduce(
+            MPI.IN_PLACE, [flat[lo:lo + step], mpitype], op=MPI.SUM))
+            for lo in range(0, max(flat.size, 1), step))  # stops at the first failure
 
     def _allgather(self, comm: MPI.Comm, obj: Any, which: str) -> list[Any] | None:
-        self._check_usable()
-        if self._failed_at is not None:
-            return None
         out: list[Any] = []
         ok = self._guarded(f"allgather({which})", lambda: out.extend(comm.allgather(obj)))
         return out if ok else None
@@ -450,17 +388,8 @@ class FaultTolerantWorld:
                 pass
 
 
-# [Note: never free a communicator that saw a failure] MPI_Comm_free on a revoked or failed
-# communicator is not exercised by ULFM users and buys nothing here (a few handles per failure); the
-# old communicators are parked in FaultTolerantWorld._graveyard until the process exits.
-
-
-def _errname(e: BaseException) -> str:
-    try:
-        cls = e.Get_error_class()  # type: ignore[attr-defined]
-    except Exception:
-        return repr(e)
+def _errname(e: MPI.Exception) -> str:
     names = {MPI.ERR_PROC_FAILED: "ERR_PROC_FAILED", MPI.ERR_REVOKED: "ERR_REVOKED",
              MPI.ERR_PROC_FAILED_PENDING: "ERR_PROC_FAILED_PENDING"}
-    return names.get(cls, f"MPI error class {cls}")
+    return names.get(e.Get_error_class(), f"MPI error class {e.Get_error_class()}")
 
