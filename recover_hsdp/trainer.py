@@ -18,6 +18,7 @@ the ledger), each bucket reduced under one membership (asserted before the optim
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import timedelta
 
@@ -126,6 +127,20 @@ class RecoverTrainer(Trainer):
         alive_ranks = record["alive_replicas"] * max(1, self.recover_config.ranks_per_replica)
         record["tokens_per_s_per_rank"] = record["tokens"] / record["step_time_s"] / alive_ranks
         self.run_metrics.log_step(record)
+        if self.recover_config.enable and self.run_metrics.is_writer:
+            self._log_torchtitan_metrics(record, alive_ranks)
+
+    def _log_torchtitan_metrics(self, record: dict, alive_ranks: int) -> None:
+        """Console/TensorBoard/W&B through TorchTitan's own metrics processor (writer only)."""
+        processor = self.metrics_processor
+        processor.ntokens_since_last_log += record["tokens"] // alive_ranks
+        processor.data_loading_times.append(0.0)
+        processor.log(self.step, record["loss"], record["loss"], record["grad_norm"],
+                      extra_metrics={"recover/alive_replicas": record["alive_replicas"],
+                                     "recover/epoch": record["epoch"],
+                                     "recover/committed_microbatches":
+                                         record["committed_microbatches"],
+                                     "recover/sync_time_s": record["sync_time_s"]})
 
     def _stock_record(self) -> dict:
         training, parallelism = self.job_config.training, self.job_config.parallelism
@@ -308,9 +323,11 @@ class RecoverTrainer(Trainer):
         self.checkpointer.save = save
 
     def state_dict(self):
+        """Checkpointed train state; on the MPI path it carries the workload policy (B, G,
+        stream cursors) so that a restart with fewer replicas keeps the same B."""
         state = super().state_dict()
         if self.recover_config.enable:
-            state["workload"] = self.policy.state_dict()
+            state["workload"] = json.dumps(self.policy.state_dict())
         return state
 
     def load_state_dict(self, state_dict):
@@ -318,7 +335,7 @@ class RecoverTrainer(Trainer):
         if self.recover_config.enable and "workload" in state_dict:
             from recover_hsdp.workload import WorkloadPolicy
 
-            self.policy = WorkloadPolicy.from_state_dict(state_dict["workload"],
+            self.policy = WorkloadPolicy.from_state_dict(json.loads(state_dict["workload"]),
                                                          alive_replicas=self.world.alive_replicas)
 
     def _full_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
