@@ -92,3 +92,18 @@ def test_hang_is_detected_within_bound_and_training_continues(tmp_path, local_co
     # the hung rank kills itself after hang_timeout; survivors wait in the reduce meanwhile
     failure_step = [s for s in steps if s["step"] == 3][0]
     assert failure_step["step_time_s"] < hang_timeout + 20
+
+
+def test_paper_like_failure_schedule(tmp_path, local_corpus):
+    """One failure every 3 steps at a seeded random step, until 2 replicas are lost."""
+    from recover_hsdp.faults import Phase, paper_schedule
+
+    expected = paper_schedule(4, every=3, max_failures=2, phase=Phase.GRAD_SYNC, seed=7)
+    _, steps = _train(tmp_path, "--recover.faults.every", "3", "--recover.faults.max_failures",
+                      "2", "--recover.faults.seed", "7")
+    _assert_b_every_step(steps, final_alive=2)
+    fired = read_jsonl(tmp_path / "faults_fired.jsonl")
+    assert [(f["replica"], f["step"]) for f in fired] == [(s.replica, s.step) for s in expected]
+    assert all(1 + 3 * i <= s.step <= 3 * (i + 1) for i, s in enumerate(expected))
+    assert [e["dead_replicas"] for e in read_jsonl(tmp_path / "events.jsonl")] == [
+        [s.replica] for s in expected]
