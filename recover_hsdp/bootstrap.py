@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from recover_hsdp.mpi_env import MPI
+from recover_hsdp.collectives import MPI  # imports mpi4py with the ULFM settings
 
 _LAYOUT: "ReplicaLayout | None" = None
 
