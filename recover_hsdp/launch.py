@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{returncode}); see the log above", file=sys.stderr)
         return returncode or 1
     summary = json.loads(summary_path.read_text())
-    if not summary["steps"] or (args.stock and returncode):
+    if not summary.get("completed") or (args.stock and returncode):
         print(f"recover-hsdp: error: the job failed after {summary['steps']} steps (launcher "
               f"exit code {returncode}); see the log above", file=sys.stderr)
         return returncode or 1

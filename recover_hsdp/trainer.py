@@ -277,7 +277,8 @@ class RecoverTrainer(Trainer):
         if self.ledger is not None:
             self.ledger.append(plan, self.world.epoch)
         self.ntokens_seen += tokens
-        if self.recover_config.check_replica_consistency:
+        interval = self.recover_config.consistency_check_interval
+        if interval > 0 and self.step % interval == 0:
             self._check_replicas_identical()
         return {
             "step": self.step, "loss": loss_sum, "lr": lr, "grad_norm": float(grad_norm),
@@ -358,13 +359,18 @@ class RecoverTrainer(Trainer):
         if self.run_metrics.is_writer:
             torch.save(full, f"{self.job_config.job.dump_folder}/final_params.pt")
 
+    def train(self):
+        super().train()
+        self._completed = True
+
     def close(self) -> None:
         if hasattr(self, "run_metrics"):
             if self.recover_config.save_final_params:
                 self._save_final_params()
             alive = (len(self.world.alive_replicas) if self.recover_config.enable
                      else self.job_config.parallelism.data_parallel_replicate_degree)
-            summary = self.run_metrics.write_summary({"alive_replicas": alive})
+            summary = self.run_metrics.write_summary(
+                {"alive_replicas": alive, "completed": getattr(self, "_completed", False)})
             if self.run_metrics.is_writer:
                 print(f"[recover-hsdp] summary: {summary}", flush=True)
         if getattr(self, "ledger", None) is not None:
