@@ -72,8 +72,7 @@ def inner_allreduce(iters: int, out: str) -> None:
         rows.append({"mb": mb, "guarded": t_guarded, "plain": t_plain, "gloo": t_gloo})
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
-    plain.Barrier()
-    world.close()
+    world.finish()
 
 
 def inner_kill(out: str, mb: int) -> None:
@@ -100,8 +99,7 @@ def inner_kill(out: str, mb: int) -> None:
                                     "repair": res.repair_s})
     if rank == 0:
         Path(out).write_text(json.dumps(times))
-    world.barrier()
-    world.close()
+    world.finish()
 
 
 # ------------------------------------------------------------------------------------------------

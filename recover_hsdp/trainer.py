@@ -376,8 +376,7 @@ class RecoverTrainer(Trainer):
         if getattr(self, "ledger", None) is not None:
             self.ledger.close()
         if self.recover_config.enable and hasattr(self, "world"):
-            self.world.consensus(True)  # let every survivor finish before anyone exits
-            self.world.close()
+            self.world.finish()  # fault-tolerant last agreement, then linger, then exit
         super().close()
 
 

@@ -8,6 +8,7 @@ count); the steps redone after the failure reduce exactly the sum over the survi
 """
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -123,3 +124,13 @@ def test_fault_scenario(key, tmp_path):
             # detected and repaired within the hang timeout plus a generous margin for a loaded box
             assert e["t"] - t_hang < sc.hang_timeout + 10.0, (r, e["t"] - t_hang)
         assert "no progress (heartbeat)" in job.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+def test_fault_scenarios_repeated():
+    """Every scenario RECOVER_STRESS_REPEATS times (default 10): any flaky run is a product bug."""
+    from mpi_programs.stress_faults import stress
+
+    outcomes = stress(int(os.environ.get("RECOVER_STRESS_REPEATS", "10")), list(SCENARIOS))
+    assert all(set(c) == {"pass"} for c in outcomes.values()), outcomes

@@ -167,6 +167,7 @@ def main():
                 want = expected(pattern, members, step)
                 if not np.array_equal(buf, want):
                     log["value_errors"] += 1
+                    world.fail_epoch("wrong all-reduce result")  # revokes: releases the peers
                     ok = False
                 log["sums"].append({"step": step, "epoch": world.epoch, "members": list(members),
                                     "first": float(buf[0]), "last": float(buf[-1])})
@@ -174,8 +175,9 @@ def main():
             ok_g = world.allreduce_global(tokens)
             if ok_g and int(tokens[0]) != sum(r + 1 for r in world.layout.alive_ranks()):
                 log["value_errors"] += 1
+                world.fail_epoch("wrong global all-reduce result")
                 ok_g = False
-            chk = world.allgather(float(buf[0])) if ok and ok_g else None
+            chk = world.allgather(float(buf[0]))  # None at once when the epoch already failed
             if chk is not None and len(set(chk)) != 1:
                 log["value_errors"] += 1
             res = world.consensus(ok and ok_g)
@@ -190,9 +192,8 @@ def main():
             if res.clean:
                 break
             attempt += 1
-    ok = world.barrier()
-    dump("finished" if ok else "finished-barrier-failed")
-    world.close()
+    ok = world.barrier()  # a guarded barrier between steps is fine; the job's last call is finish()
+    dump("finished" if ok and world.finish() else "finished-not-clean")
 
 
 if __name__ == "__main__":

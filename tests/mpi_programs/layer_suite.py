@@ -201,6 +201,8 @@ def main():
     stream = open(os.path.join(out, f"unittest{rank}.log"), "w")
     result = unittest.TextTestRunner(stream=stream, verbosity=2).run(suite)
     stream.close()
+    # nobody exits while a slower rank is still inside the last test's collectives
+    FaultTolerantWorld(MPI.COMM_WORLD, 1, DEADLINES).finish()
     failures = [f"{t.id()}: {tb.splitlines()[-1]}" for t, tb in result.failures + result.errors]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"ran": result.testsRun, "failures": failures}, f)
