@@ -286,6 +286,7 @@ class RecoverTrainer(Trainer):
             "committed_microbatches": plan.committed_total(), "epoch": self.world.epoch,
             "g": plan.g, "roles": {r.value: plan.count(r) for r in _roles()},
             "quota": plan.assignment(self.replica).quota, "sync_time_s": sync_time,
+            "snapshot_bytes_per_rank": self.bucket_sync.snapshot_bytes(),
         }
 
     def _check_replicas_identical(self) -> None:
