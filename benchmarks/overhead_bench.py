@@ -3,8 +3,10 @@
     python benchmarks/overhead_bench.py [--layouts 2x1,2x2,4x1] [--pairs 3] [--steps 12]
 
 Each pair runs the two modes back to back on the same machine with the same config, data and
-seed; the per-run figure is the median step time over steps 3..N (steps 1-2 warm up). Prints the
-per-layout median of the per-pair ratios (recover / stock) and writes benchmarks/results/.
+seed; the per-run figure is the median step time over steps 3..N (steps 1-2 warm up) and the
+tokens/s derived from it (tokens per step / median step time). Prints the per-layout median of
+the per-pair ratios (recover / stock) and writes benchmarks/results/overhead.json and
+overhead.png. ``--quick``: layouts 2x1,2x2, 2 pairs, 8 steps.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _common import machine, plt
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "torchtitan_configs" / "debug_cpu.toml"
 
 
-def run(replicas: int, ranks: int, stock: bool, steps: int) -> float:
+def run(replicas: int, ranks: int, stock: bool, steps: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "recover_hsdp.launch", "train", "--config", str(CONFIG),
                    "--replicas", str(replicas), "--ranks-per-replica", str(ranks), "--out", out]
@@ -29,8 +33,9 @@ def run(replicas: int, ranks: int, stock: bool, steps: int) -> float:
         command += ["--", "--training.steps", str(steps)]
         subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
         lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
-        times = [json.loads(line)["step_time_s"] for line in lines][2:]
-    return statistics.median(times)
+        rows = [json.loads(line) for line in lines][2:]
+    step_s = statistics.median(row["step_time_s"] for row in rows)
+    return step_s, statistics.median(row["tokens"] for row in rows) / step_s
 
 
 def main() -> None:
@@ -38,28 +43,80 @@ def main() -> None:
     parser.add_argument("--layouts", default="2x1,2x2,4x1")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    if args.quick:
+        args.layouts, args.pairs, args.steps = "2x1,2x2", 2, 8
     results = {}
     for layout in args.layouts.split(","):
         replicas, ranks = map(int, layout.split("x"))
         pairs = []
         for _ in range(args.pairs):
-            recover = run(replicas, ranks, False, args.steps)
-            stock = run(replicas, ranks, True, args.steps)
-            pairs.append({"recover_s": recover, "stock_s": stock, "ratio": recover / stock})
+            recover, recover_tps = run(replicas, ranks, False, args.steps)
+            stock, stock_tps = run(replicas, ranks, True, args.steps)
+            pairs.append({"recover_s": recover, "stock_s": stock, "ratio": recover / stock,
+                          "recover_tokens_per_s": recover_tps, "stock_tokens_per_s": stock_tps,
+                          "tokens_per_s_ratio": recover_tps / stock_tps})
         results[layout] = {
             "pairs": pairs,
             "median_recover_step_s": statistics.median(p["recover_s"] for p in pairs),
             "median_stock_step_s": statistics.median(p["stock_s"] for p in pairs),
             "median_ratio": statistics.median(p["ratio"] for p in pairs),
+            "median_recover_tokens_per_s": statistics.median(p["recover_tokens_per_s"]
+                                                             for p in pairs),
+            "median_stock_tokens_per_s": statistics.median(p["stock_tokens_per_s"]
+                                                           for p in pairs),
+            "median_tokens_per_s_ratio": statistics.median(p["tokens_per_s_ratio"]
+                                                           for p in pairs),
         }
         r = results[layout]
         print(f"{layout}: recover {r['median_recover_step_s']:.3f}s  stock "
-              f"{r['median_stock_step_s']:.3f}s  ratio recover/stock {r['median_ratio']:.3f}",
+              f"{r['median_stock_step_s']:.3f}s  ratio recover/stock {r['median_ratio']:.3f}  "
+              f"tokens/s {r['median_recover_tokens_per_s']:.0f} vs "
+              f"{r['median_stock_tokens_per_s']:.0f} (ratio {r['median_tokens_per_s_ratio']:.3f})",
               flush=True)
     out = REPO / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "overhead.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "overhead.json").write_text(json.dumps(
+        {**results, "machine": machine(), "args": vars(args)}, indent=2) + "\n")
+    _plot(results, out / "overhead.png")
+    print(markdown(results))
+
+
+def markdown(results: dict) -> str:
+    lines = ["| layout (R x S) | pairs | ReCoVer step (s) | stock step (s) | step-time ratio "
+             "ReCoVer/stock | ReCoVer tok/s | stock tok/s | tok/s ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for layout, r in results.items():
+        if not isinstance(r, dict) or "median_ratio" not in r:
+            continue
+        lines.append(
+            f"| {layout} | {len(r['pairs'])} | {r['median_recover_step_s']:.3f} | "
+            f"{r['median_stock_step_s']:.3f} | {r['median_ratio']:.3f} | "
+            f"{r.get('median_recover_tokens_per_s', float('nan')):.0f} | "
+            f"{r.get('median_stock_tokens_per_s', float('nan')):.0f} | "
+            f"{r.get('median_tokens_per_s_ratio', float('nan')):.3f} |")
+    return "\n".join(lines)
+
+
+def _plot(results: dict, path: Path) -> None:
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(6, 3.5))
+    layouts = list(results)
+    xs = range(len(layouts))
+    for offset, key, label in ((-0.2, "median_stock_tokens_per_s", "stock TorchTitan HSDP"),
+                               (0.2, "median_recover_tokens_per_s", "ReCoVer")):
+        ax.bar([x + offset for x in xs], [results[l][key] for l in layouts], 0.4, label=label)
+    for x, layout in zip(xs, layouts):
+        ax.annotate(f"x{results[layout]['median_tokens_per_s_ratio']:.2f}", (x + 0.2, 0),
+                    xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+    ax.set_xticks(list(xs), layouts)
+    ax.set_xlabel("layout (replicas x ranks per replica)")
+    ax.set_ylabel("tokens/s (median)")
+    ax.set_title("Failure-free throughput, interleaved A/B")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

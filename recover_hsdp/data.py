@@ -188,7 +188,8 @@ class MicrobatchDataLoader(BaseDataLoader):
     ``batch(m)`` returns this rank's part of microbatch ``m``. Iterating yields the
     failure-free sequence of microbatches for this replica (what stock TorchTitan consumes):
     step t, accumulation step g -> ``t*B + replica*G + g`` with ``B = replicas * G``.
-    Its checkpointable state is the number of microbatches consumed.
+    Its checkpointable state is the number of whole steps consumed, so a job resumed with a
+    different G (fewer replicas, same global batch) continues at the same global position.
     """
 
     def __init__(self, sequences: PackedSequences, *, replica: int, replicas: int, shard: int,
@@ -219,11 +220,11 @@ class MicrobatchDataLoader(BaseDataLoader):
             yield self.batch(microbatch_id)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed}
+        return {"steps_consumed": self.consumed // self.microbatches_per_replica}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
-            self.consumed = int(state_dict["consumed"])
+            self.consumed = int(state_dict["steps_consumed"]) * self.microbatches_per_replica
 
 
 def load_local_sequences(job_config) -> PackedSequences:

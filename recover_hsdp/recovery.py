@@ -83,6 +83,7 @@ class BucketSync:
         self.contributes = True
         self.collecting_extras = False
         self.reduced_bytes = 0
+        self._staging: dict[tuple, torch.Tensor] = {}
         for unit in self.units:
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_gradient_divide_factor(1.0)
@@ -146,16 +147,26 @@ class BucketSync:
         tensor.zero_()
 
     def _reduce(self, bucket: Bucket) -> None:
+        """Guarded cross-replica SUM of one bucket, tagged with the epoch it succeeded under.
+        GPU buckets are staged through a pinned host buffer (CUDA-aware MPI is not assumed)."""
         tensor = bucket.tensor
         if tensor.device.type == "cpu":
             ok = self.world.allreduce(tensor.numpy())
         else:
-            host = tensor.to("cpu")
+            host = self._pinned_staging(tensor)
+            host.copy_(tensor)
             ok = self.world.allreduce(host.numpy())
             if ok:
                 tensor.copy_(host)
         self.reduced_bytes += tensor.numel() * tensor.element_size()
         bucket.epoch = self.world.epoch if ok else None
+
+    def _pinned_staging(self, tensor: torch.Tensor) -> torch.Tensor:
+        """One reusable pinned host buffer per bucket shape (allocated on first use)."""
+        key = (tuple(tensor.shape), tensor.dtype)
+        if key not in self._staging:
+            self._staging[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return self._staging[key]
 
     # ------------------------------------------------------------------ recovery
 
