@@ -39,8 +39,9 @@ def build() -> str:
     m = machine()
     parts = [BEGIN, "",
              f"Machine of the runs below: {m['nproc']} CPUs ({m['cpu_model']}), "
-             f"{m['mem_gib']} GiB memory, Python {m['python']}, no GPU; shared with other jobs "
-             "while the runs took place (noisy: medians, ratios from side-by-side runs). "
+             f"{m['mem_gib']} GiB memory, Python {m['python']}, no GPU; a shared machine "
+             "(noisy: medians, ratios from side-by-side runs; MPI ranks busy-poll, so a loaded "
+             "2-core host penalises the MPI path: run on an otherwise idle machine). "
              "Each JSON file records the git revision its runs used (`machine.revision`).", ""]
     data = _load("overhead.json")
     if data:
