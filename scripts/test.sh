@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export PATH="$PWD/.venv/bin:$PATH"   # the venv's mpirun / torchrun, as if activated
 exec .venv/bin/python -m pytest "$@"
