@@ -107,3 +107,18 @@ def test_paper_like_failure_schedule(tmp_path, local_corpus):
     assert all(1 + 3 * i <= s.step <= 3 * (i + 1) for i, s in enumerate(expected))
     assert [e["dead_replicas"] for e in read_jsonl(tmp_path / "events.jsonl")] == [
         [s.replica] for s in expected]
+
+
+def test_spare_promoted_when_its_shadowed_replica_dies(tmp_path, failure_free):
+    """After replica 1 dies, G = 2: replicas 0 and 2 are majors and 3 is a spare shadowing
+    replica 0's ids (exact mode). When replica 0 (global rank 0) dies at step 6, the spare is
+    promoted: no extra microbatch, and the trajectory is still the failure-free one."""
+    _, steps = _train(tmp_path, faults=["replica=1,step=3,phase=grad_sync",
+                                        "replica=0,step=6,phase=grad_sync,bucket=3"])
+    _assert_b_every_step(steps, final_alive=2)
+    assert steps[5]["roles"]["spare"] == 1 and steps[6]["roles"]["spare"] == 0
+    events = read_jsonl(tmp_path / "events.jsonl")
+    assert events[1]["dead_replicas"] == [0] and events[1]["promoted"] == [3]
+    assert events[1]["extra_microbatches"] == 0
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, failure_free["exact"])]
+    assert max(diffs) <= 1e-3, diffs
