@@ -1,8 +1,9 @@
 """Run outputs: ``metrics.jsonl`` (one object per step), ``events.jsonl``, ``summary.json``.
 
 Only the writer rank writes (rank 0; after failures, the lowest surviving rank). Files are
-appended and flushed line by line so a run that dies keeps every step it finished; a writer that
-takes over after the old one died appends to the same files.
+appended and flushed line by line so a run that dies keeps every step it finished. Every rank
+keeps the records in memory, so a writer that takes over after the old one died first appends
+what the old writer did not get to write (:func:`backfill_jsonl`): nothing is lost.
 """
 
 from __future__ import annotations
@@ -12,6 +13,22 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+
+def backfill_jsonl(path: Path, records: list[dict[str, Any]], key) -> None:
+    """Append to ``path`` the ``records`` whose ``key(record)`` is not in the file yet.
+
+    A torn last line (its writer died mid-write) is cut off first."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    if text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+        path.write_text(text)
+    present = {key(json.loads(line)) for line in text.splitlines() if line.strip()}
+    with open(path, "a") as handle:
+        for record in records:
+            if key(record) not in present:
+                handle.write(json.dumps(record) + "\n")
 
 
 class RunMetrics:
@@ -30,9 +47,12 @@ class RunMetrics:
                 (self.out_dir / name).unlink(missing_ok=True)
 
     def set_writer(self, is_writer: bool) -> None:
-        """Hand the writer duty to this rank (e.g. the old writer died)."""
+        """Hand the writer duty to this rank (the old writer died): write what it could not."""
         if is_writer and not self.is_writer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+            backfill_jsonl(self.out_dir / "metrics.jsonl", self.steps, lambda r: r["step"])
+            backfill_jsonl(self.out_dir / "events.jsonl", self.events,
+                           lambda r: (r["step"], r["epoch"]))
         self.is_writer = is_writer
 
     def _append(self, name: str, record: dict[str, Any]) -> None:

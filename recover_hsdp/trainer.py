@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from torchtitan.train import Trainer
 from recover_hsdp.config import validate
 from recover_hsdp.data import microbatches_per_replica
 from recover_hsdp.faults import Phase, build_injector
+from recover_hsdp.ledger import plan_record
 from recover_hsdp.metrics import RunMetrics
 
 
@@ -60,6 +62,7 @@ class RecoverTrainer(Trainer):
         self.run_metrics = RunMetrics(job_config.job.dump_folder, is_writer=writer, mode=mode)
         if self.recover_config.enable:
             self.ledger = self._open_ledger(writer)
+            self._ledger_records: list[dict] = []  # every rank: what the writer appends
         self._last_loss = None
         self._wrap_metrics_log()
 
@@ -236,9 +239,13 @@ class RecoverTrainer(Trainer):
         plan = self.policy.replan(plan, result.dead_replicas)
         mine = plan.assignment(self.replica)
         new_extras = mine.extra_ids[len(done_extras):]
-        self.run_metrics.set_writer(self._is_writer())
-        if self.ledger is None and self._is_writer():
+        if self.ledger is None and self._is_writer():  # the old writer died: take over
+            from recover_hsdp.metrics import backfill_jsonl
+
+            backfill_jsonl(Path(self.job_config.job.dump_folder) / "ledger.jsonl",
+                           self._ledger_records, lambda r: r["step"])
             self.ledger = self._open_ledger(True)
+        self.run_metrics.set_writer(self._is_writer())
         if new_extras:
             self.bucket_sync.begin_extras()
             self._compute(new_extras, self.replica, nominal_tokens)
@@ -274,6 +281,7 @@ class RecoverTrainer(Trainer):
         self.optimizers.step()
         self.lr_schedulers.step()
         self.policy.commit(plan)
+        self._ledger_records.append(plan_record(plan, self.world.epoch))
         if self.ledger is not None:
             self.ledger.append(plan, self.world.epoch)
         self.ntokens_seen += tokens

@@ -73,7 +73,9 @@ def test_stream_mode_two_deaths(tmp_path, failure_free, capsys):
 
 
 def test_global_rank_0_killed_outputs_move_to_lowest_survivor(tmp_path, local_corpus):
-    _, steps = _train(tmp_path, faults=["replica=0,step=3,phase=grad_sync"])
+    """Rank 0 dies after step 3 was agreed but before it wrote step 3's records: the new
+    writer writes them (from its own copy) and everything after."""
+    _, steps = _train(tmp_path, faults=["replica=0,step=3,phase=optimizer"])
     _assert_b_every_step(steps, final_alive=3)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["failures"] == 1
