@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from recover_hsdp.collectives import MPI  # imports mpi4py with the ULFM settings
 
-_LAYOUT: "ReplicaLayout | None" = None
+_PLACEMENT: "ProcessPlacement | None" = None
 
 
 @dataclass(frozen=True)
-class ReplicaLayout:
-    """Where this process sits: world rank, replica id, shard index, and the sizes."""
+class ProcessPlacement:
+    """Where this process sits at launch: world rank, replica id, shard index, and the sizes.
+    (The live membership after failures is ``collectives.FaultTolerantWorld.layout``.)"""
 
     world_rank: int
     world_size: int
@@ -48,14 +49,14 @@ class ReplicaLayout:
 class ReplicaWorld:
     """The replica's torch.distributed bootstrap: its TCPStore (kept alive) and layout."""
 
-    layout: ReplicaLayout
+    layout: ProcessPlacement
     store: dist.Store
 
 
-def current_layout() -> ReplicaLayout:
-    if _LAYOUT is None:
+def current_placement() -> ProcessPlacement:
+    if _PLACEMENT is None:
         raise RuntimeError("recover_hsdp.bootstrap.bootstrap_replica() has not run in this process")
-    return _LAYOUT
+    return _PLACEMENT
 
 
 def _store_host() -> str:
@@ -75,12 +76,12 @@ def bootstrap_replica(ranks_per_replica: int, timeout_s: float = 300.0,
     Every rank of ``comm`` (default COMM_WORLD) must call it. Returns the store to pass to
     ``init_process_group``; the replica's shard-0 rank hosts it.
     """
-    global _LAYOUT
+    global _PLACEMENT
     comm = comm or MPI.COMM_WORLD
     from recover_hsdp.config import check_world_size
 
     check_world_size(comm.Get_size(), ranks_per_replica)
-    layout = ReplicaLayout(comm.Get_rank(), comm.Get_size(), ranks_per_replica)
+    layout = ProcessPlacement(comm.Get_rank(), comm.Get_size(), ranks_per_replica)
     replica_comm = comm.Split(color=layout.replica, key=layout.shard)
     try:
         if layout.shard == 0:
@@ -97,5 +98,5 @@ def bootstrap_replica(ranks_per_replica: int, timeout_s: float = 300.0,
         replica_comm.Free()
     os.environ.update(RANK=str(layout.shard), WORLD_SIZE=str(ranks_per_replica),
                       MASTER_ADDR=address[0], MASTER_PORT=str(address[1]))
-    _LAYOUT = layout
+    _PLACEMENT = layout
     return ReplicaWorld(layout, store)

@@ -131,6 +131,14 @@ def load_toml(path: str | Path) -> dict:
     return data
 
 
+def microbatches_per_replica(local_batch_size: int, global_batch_size: int,
+                             data_parallel_ranks: int) -> int:
+    """G: gradient-accumulation steps as TorchTitan derives them (global -1: one microbatch)."""
+    if global_batch_size < 0:
+        return 1
+    return global_batch_size // (local_batch_size * data_parallel_ranks)
+
+
 def check_batch_sizes(local_batch_size: int, global_batch_size: int, replicas: int,
                       ranks_per_replica: int) -> int:
     """Return G (microbatches per replica per step) or raise a one-line ConfigError."""
@@ -141,15 +149,14 @@ def check_batch_sizes(local_batch_size: int, global_batch_size: int, replicas: i
                           "set --ranks-per-replica to the FSDP shard degree")
     if local_batch_size < 1:
         raise ConfigError(f"training.local_batch_size must be >= 1 (got {local_batch_size})")
-    if global_batch_size < 0:
-        return 1
     per_microbatch = local_batch_size * replicas * ranks_per_replica
-    if global_batch_size == 0 or global_batch_size % per_microbatch:
+    if global_batch_size >= 0 and (global_batch_size == 0 or global_batch_size % per_microbatch):
         raise ConfigError(
             f"training.global_batch_size={global_batch_size} is not a positive multiple of "
             f"local_batch_size x replicas x ranks_per_replica = {local_batch_size} x {replicas} x "
             f"{ranks_per_replica} = {per_microbatch}: set it to a multiple of {per_microbatch}")
-    return global_batch_size // per_microbatch
+    return microbatches_per_replica(local_batch_size, global_batch_size,
+                                    replicas * ranks_per_replica)
 
 
 def check_world_size(world_size: int, ranks_per_replica: int) -> int:
@@ -201,9 +208,9 @@ def resolve_replica_layout(job_config, dp_world_size: int, dp_rank: int) -> tupl
     TorchTitan only sees the replica's S ranks; R and r come from the MPI bootstrap.
     """
     if job_config.recover.enable:
-        from recover_hsdp.bootstrap import current_layout
+        from recover_hsdp.bootstrap import current_placement
 
-        layout = current_layout()
+        layout = current_placement()
         return layout.replicas, layout.replica, layout.ranks_per_replica, dp_rank
     shard_degree = job_config.parallelism.data_parallel_shard_degree
     replicate = job_config.parallelism.data_parallel_replicate_degree

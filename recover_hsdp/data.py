@@ -248,7 +248,7 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) ->
     Stock HSDP passes the whole data-parallel world (R*S ranks, rank = r*S + s). The MPI path
     passes only the replica's torch world; the replica id then comes from the MPI bootstrap.
     """
-    from recover_hsdp.config import resolve_replica_layout
+    from recover_hsdp.config import microbatches_per_replica, resolve_replica_layout
 
     replicas, replica, ranks_per_replica, shard = resolve_replica_layout(
         job_config, dp_world_size, dp_rank)
@@ -261,14 +261,6 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) ->
     return MicrobatchDataLoader(
         load_local_sequences(job_config), replica=replica, replicas=replicas, shard=shard,
         ranks_per_replica=ranks_per_replica, local_batch_size=lbs,
-        microbatches_per_replica=microbatches_per_replica(job_config, replicas * ranks_per_replica),
+        microbatches_per_replica=microbatches_per_replica(
+            lbs, job_config.training.global_batch_size, replicas * ranks_per_replica),
     )
-
-
-def microbatches_per_replica(job_config, data_parallel_ranks: int) -> int:
-    """G: gradient-accumulation steps, as TorchTitan derives them from the batch sizes."""
-    lbs, gbs = job_config.training.local_batch_size, job_config.training.global_batch_size
-    if gbs < 0:
-        return 1
-    return gbs // (lbs * data_parallel_ranks)
-

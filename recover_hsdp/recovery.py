@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch.distributed.fsdp import FSDPModule
 
@@ -82,7 +81,6 @@ class BucketSync:
         self.buckets: list[Bucket] = []
         self.contributes = True
         self.collecting_extras = False
-        self.reduced_bytes = 0
         self._staging: dict[tuple, torch.Tensor] = {}
         for unit in self.units:
             unit.set_force_sum_reduction_for_comms(True)
@@ -109,9 +107,6 @@ class BucketSync:
     def all_current(self) -> bool:
         """Every bucket was reduced under the current epoch (cheap run-time invariant check)."""
         return bool(self.buckets) and all(b.epoch == self.world.epoch for b in self.buckets)
-
-    def stale_count(self) -> int:
-        return sum(b.epoch != self.world.epoch for b in self.buckets)
 
     # ------------------------------------------------------------------ the hook
 
@@ -158,7 +153,6 @@ class BucketSync:
             ok = self.world.allreduce(host.numpy())
             if ok:
                 tensor.copy_(host)
-        self.reduced_bytes += tensor.numel() * tensor.element_size()
         bucket.epoch = self.world.epoch if ok else None
 
     def _pinned_staging(self, tensor: torch.Tensor) -> torch.Tensor:

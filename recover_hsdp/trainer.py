@@ -31,11 +31,11 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
-from recover_hsdp.config import validate
-from recover_hsdp.data import microbatches_per_replica
+from recover_hsdp.config import microbatches_per_replica, validate
 from recover_hsdp.faults import Phase, build_injector
 from recover_hsdp.ledger import plan_record
 from recover_hsdp.metrics import RunMetrics
+from recover_hsdp.workload import Role
 
 
 class RecoverTrainer(Trainer):
@@ -96,7 +96,8 @@ class RecoverTrainer(Trainer):
             Deadlines(call_s=2 * hang + 30, repair_s=3 * hang + 30, hang_timeout_s=hang,
                       retire_grace_s=min(2.0, hang / 4)))
         self.replica, self.shard = layout.replica, layout.shard
-        g = microbatches_per_replica(self.job_config, layout.replicas * layout.ranks_per_replica)
+        g = microbatches_per_replica(training.local_batch_size, training.global_batch_size,
+                                     layout.replicas * layout.ranks_per_replica)
         self.policy = WorkloadPolicy(initial_replicas=layout.replicas, microbatches_per_replica=g,
                                      keep_spares=rc.keep_spares,
                                      data_assignment=rc.data_assignment, g_raise=rc.g_raise)
@@ -292,7 +293,7 @@ class RecoverTrainer(Trainer):
             "step": self.step, "loss": loss_sum, "lr": lr, "grad_norm": float(grad_norm),
             "tokens": tokens, "alive_replicas": len(self.world.alive_replicas),
             "committed_microbatches": plan.committed_total(), "epoch": self.world.epoch,
-            "g": plan.g, "roles": {r.value: plan.count(r) for r in _roles()},
+            "g": plan.g, "roles": {r.value: plan.count(r) for r in Role},
             "quota": plan.assignment(self.replica).quota, "sync_time_s": sync_time,
             "snapshot_bytes_per_rank": self.bucket_sync.snapshot_bytes(),
         }
@@ -387,9 +388,3 @@ class RecoverTrainer(Trainer):
         if self.recover_config.enable and hasattr(self, "world"):
             self.world.finish()  # fault-tolerant last agreement, then linger, then exit
         super().close()
-
-
-def _roles():
-    from recover_hsdp.workload import Role
-
-    return list(Role)
