@@ -61,7 +61,7 @@ def revision() -> str:
 
 def train_command(out: Path, replicas: int, *, stock: bool, overrides: list[str],
                   faults: list[str] = (), ranks_per_replica: int = 1) -> list[str]:
-    command = [sys.executable, "-m", "recover_hsdp.launch", "train", "--config", str(CONFIG),
+    command = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
                "--replicas", str(replicas), "--ranks-per-replica", str(ranks_per_replica),
                "--out", str(out)]
     command += ["--stock"] if stock else []

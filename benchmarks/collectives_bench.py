@@ -106,7 +106,7 @@ def inner_kill(out: str, mb: int) -> None:
 # outer driver
 # ------------------------------------------------------------------------------------------------
 def mpirun(nprocs: int, args: list[str], timeout: float, env=None) -> None:
-    from recover_hsdp.mpi_launch import check_ulfm_mpirun, mpirun_prefix
+    from recover_hsdp.collectives.mpirun import check_ulfm_mpirun, mpirun_prefix
 
     check_ulfm_mpirun()
     env = {"PYTHONPATH": str(REPO), **(env or {})}
@@ -156,7 +156,7 @@ def main() -> None:
         "",
         "`benchmarks/collectives_bench.py` (regenerate: `python benchmarks/collectives_bench.py`). "
         f"4 ranks on one {os.cpu_count()}-core host (oversubscribed, shared with other jobs: noisy), "
-        "Open MPI 5.0.11 ULFM launch (`recover_hsdp.mpi_launch`, btl tcp no-put flags), fp32 SUM in place; "
+        "Open MPI 5.0.11 ULFM launch (`recover_hsdp.collectives.mpirun`, btl tcp no-put flags), fp32 SUM in place; "
         f"time of one all-reduce = slowest rank, median of {a.iters} after 2 warm-ups.",
         "",
         "| size | guarded (chunked 4 MB, deadline) | plain MPI Allreduce | gloo all_reduce | guarded / plain |",

@@ -27,7 +27,7 @@ CONFIG = REPO / "torchtitan_configs" / "debug_cpu.toml"
 
 def run(replicas: int, ranks: int, stock: bool, steps: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "-m", "recover_hsdp.launch", "train", "--config", str(CONFIG),
+        command = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
                    "--replicas", str(replicas), "--ranks-per-replica", str(ranks), "--out", out]
         command += ["--stock"] if stock else []
         command += ["--", "--training.steps", str(steps)]

@@ -12,6 +12,7 @@ field and the fix (:class:`ConfigError`).
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Literal, get_args
 
 try:
     import tomllib
@@ -19,8 +20,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python < 3.11
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
-    """A bad configuration value. ``str(err)`` is one line naming the field and the fix."""
+from recover_hsdp.errors import ConfigError  # noqa: F401  (re-exported: the config's error type)
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Faults:
     """Real failure injection (``[recover.faults]``); see :mod:`recover_hsdp.faults`."""
 
     inject: str = ""
-    """Faults, separated by ";": ``replica=R,step=N,phase=P[,rank=K][,mode=M][,bucket=B]`` with
+    """Faults, separated by ";" (one string: each spec contains commas): ``replica=R,step=N,phase=P[,rank=K][,mode=M][,bucket=B]`` with
     P in forward|backward|grad_sync|consensus|rereduce|optimizer and M in sigkill|exit|hang."""
 
     every: int = 0
@@ -38,7 +38,8 @@ class Faults:
     max_failures: int = 0
     """Schedule: stop after this many replicas were lost."""
 
-    phase: str = "grad_sync"
+    phase: Literal["forward", "backward", "grad_sync", "consensus", "rereduce",
+                   "optimizer"] = "grad_sync"
     """Schedule: the phase the scheduled failures hit."""
 
     seed: int = 0
@@ -55,7 +56,7 @@ class Recover:
     """S, the FSDP shard degree inside one replica (its torch.distributed world). The number of
     replicas R is the MPI world size divided by S. A replica lives or dies as a unit."""
 
-    data_assignment: str = "exact"
+    data_assignment: Literal["exact", "stream"] = "exact"
     """``exact``: step t commits exactly global microbatch ids t*B..t*B+B-1, also after failures
     (needs an indexable dataset, e.g. local_corpus). ``stream``: each replica draws its quota from
     its own shard of an endless stream (the paper)."""
@@ -64,7 +65,7 @@ class Recover:
     """After G is raised, replicas beyond what the quota needs become spares (compute G, contribute
     zero unless promoted) instead of idling."""
 
-    g_raise: str = "ceil"
+    g_raise: Literal["ceil", "reserve"] = "ceil"
     """How G rises when replicas are lost: ``ceil`` (G = ceil(B / W)) or ``reserve`` (keep a spare
     while two or more replicas live)."""
 
@@ -83,8 +84,8 @@ class Recover:
     """At the end of the run write the full (unsharded) parameters to ``final_params.pt`` in
     ``job.dump_folder`` (used by the equivalence tests; costs one gather of the model)."""
 
-    dump_step_gradients: str = ""
-    """Comma-separated steps at which the writer saves the full parameters before the update and
+    dump_step_gradients: list[str] = field(default_factory=list)
+    """Steps (comma-separated on the command line) at which the writer saves the full parameters before the update and
     the committed (reduced, unclipped) gradient to ``grads_step<N>.pt`` (oracle tests)."""
 
     consistency_check_interval: int = 50
@@ -188,6 +189,15 @@ def validate(job_config, world_size: int | None = None) -> None:
         raise ConfigError(f"recover.data_assignment=exact needs an indexable dataset, and "
                           f"training.dataset={job_config.training.dataset!r} is a stream: use "
                           "data_assignment = \"stream\" or dataset = \"local_corpus\"")
+    bad_steps = [s for s in rc.dump_step_gradients if not str(s).strip().isdigit()]
+    if bad_steps:
+        raise ConfigError(f"recover.dump_step_gradients={bad_steps[0]!r} is not a step number: "
+                          "give step numbers, e.g. 3,7")
+    phases = get_args(Faults.__annotations__["phase"])
+    if rc.faults.phase not in phases:
+        raise ConfigError(f"recover.faults.phase={rc.faults.phase!r}: use one of "
+                          f"{', '.join(phases)}")
+    _refuse_unsupported(job_config)
     if job_config.training.mixed_precision_reduce != "float32":
         raise ConfigError("training.mixed_precision_reduce must be float32 with recover.enable: "
                           "gradient-bucket snapshots restore the fp32 reduce buffer in place")
@@ -201,20 +211,19 @@ def validate(job_config, world_size: int | None = None) -> None:
                               "FSDP/HSDP only; set it to 1")
 
 
-def resolve_replica_layout(job_config, dp_world_size: int, dp_rank: int) -> tuple[int, int, int, int]:
-    """(replicas R, this replica r, ranks per replica S, this shard s) for a data-parallel rank.
-
-    Stock HSDP: TorchTitan's data-parallel world is all R*S ranks, rank = r*S + s. MPI path:
-    TorchTitan only sees the replica's S ranks; R and r come from the MPI bootstrap.
-    """
-    if job_config.recover.enable:
-        from recover_hsdp.bootstrap import current_placement
-
-        layout = current_placement()
-        return layout.replicas, layout.replica, layout.ranks_per_replica, dp_rank
-    shard_degree = job_config.parallelism.data_parallel_shard_degree
-    replicate = job_config.parallelism.data_parallel_replicate_degree
-    if shard_degree < 1:
-        shard_degree = dp_world_size // max(replicate, 1)
-    replica, shard = divmod(dp_rank, shard_degree)
-    return dp_world_size // shard_degree, replica, shard_degree, shard
+def _refuse_unsupported(job_config) -> None:
+    """TorchTitan settings that break an assumption of the MPI path, each refused in one line."""
+    training, checkpoint = job_config.training, job_config.checkpoint
+    if training.enable_cpu_offload:
+        raise ConfigError("training.enable_cpu_offload=true: FSDP then copies gradients to host, "
+                          "so they are no longer views of the reduce buffer that in-step recovery "
+                          "restores ([Note: FSDP2 contract]); set it to false with recover.enable")
+    if getattr(checkpoint, "async_mode", "disabled") != "disabled":
+        raise ConfigError(f"checkpoint.async_mode={checkpoint.async_mode!r}: a background save "
+                          "would outlive the replica's fault-tolerant step boundary; use "
+                          "\"disabled\" with recover.enable")
+    if job_config.parallelism.data_parallel_replicate_degree not in (1, -1):
+        raise ConfigError(
+            f"parallelism.data_parallel_replicate_degree="
+            f"{job_config.parallelism.data_parallel_replicate_degree}: with recover.enable the "
+            "replicas are MPI ranks (--replicas R), not a TorchTitan mesh dimension; set it to 1")

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from recover_hsdp.config import ConfigError
+from recover_hsdp.errors import ConfigError
 
 
 class Phase(str, enum.Enum):

@@ -1,7 +1,7 @@
 """Process entry point: ``python -m recover_hsdp.train --job.config_file FILE [overrides]``.
 
-Run under mpirun (``[recover] enable = true``, one MPI rank per device) or torchrun (stock
-TorchTitan HSDP). ``recover-hsdp train`` builds these command lines. A bad configuration stops
+Run under mpirun (``[recover] enable = true``: ``RecoverTrainer``, one MPI rank per device) or
+torchrun (``enable = false``: TorchTitan's own ``Trainer``, stock HSDP). ``recover-hsdp train`` builds these command lines. A bad configuration stops
 every rank with one line on stderr and exit code 2.
 """
 
@@ -31,16 +31,20 @@ def main(argv: list[str] | None = None) -> None:
         config_file = _config_file(argv)
         if config_file is not None:
             load_toml(config_file)
-        from recover_hsdp import cpu_runtime, model_spec
+        from recover_hsdp.titan import cpu_runtime, model_spec
 
         cpu_runtime.install()
         model_spec.register()
         import torchtitan.train
+        from torchtitan.config import ConfigManager
 
-        from recover_hsdp.trainer import RecoverTrainer
-
+        recover = getattr(ConfigManager().parse_args(argv), "recover", None)
+        if recover is not None and recover.enable:
+            from recover_hsdp.titan.trainer import RecoverTrainer as trainer_class
+        else:
+            trainer_class = torchtitan.train.Trainer  # stock TorchTitan, unchanged
         sys.argv = [sys.argv[0], *argv]
-        torchtitan.train.main(RecoverTrainer)
+        torchtitan.train.main(trainer_class)
     except ConfigError as err:
         print(f"recover-hsdp: config error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)

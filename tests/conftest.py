@@ -17,9 +17,9 @@ CACHE = REPO / "outputs" / "cache" / "local_corpus"
 
 def run_cli(args: list[str], timeout: float = 240, env: dict | None = None,
             cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run ``recover-hsdp`` (as ``python -m recover_hsdp.launch``) with a hard timeout."""
+    """Run ``recover-hsdp`` (as ``python -m recover_hsdp.cli.launch``) with a hard timeout."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "recover_hsdp.launch", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "recover_hsdp.cli.launch", *args], cwd=cwd,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -30,6 +30,6 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.fixture(scope="session")
 def local_corpus() -> Path:
     """Build the local corpus + tokenizer once per test session (shared cache dir)."""
-    from recover_hsdp.data import ensure_local_corpus
+    from recover_hsdp.titan.data import ensure_local_corpus
 
     return ensure_local_corpus(CACHE)

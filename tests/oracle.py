@@ -11,8 +11,8 @@ def recompute_gradient(params: dict[str, torch.Tensor], committed_ids: list[int]
                        ranks_per_replica: int, overrides: list[str] = ()) -> dict[str, torch.Tensor]:
     """Sum over ``committed_ids`` of each microbatch's gradient (all S shard slices), with the
     loss normalised by the step's nominal token count, exactly as the trainer does."""
-    from recover_hsdp import cpu_runtime, model_spec
-    from recover_hsdp.data import load_local_sequences, microbatch_sequence_ids
+    from recover_hsdp.titan import cpu_runtime, model_spec
+    from recover_hsdp.titan.data import load_local_sequences, microbatch_sequence_ids
 
     cpu_runtime.install()
     model_spec.register()

@@ -48,8 +48,8 @@ def test_batch_sizes_that_do_not_divide():
 
 def test_world_size_not_matching_ranks_per_replica(tmp_path):
     """mpirun -np 3 with ranks_per_replica 2: every rank stops with the one-line error."""
-    from recover_hsdp.launch import resolve_mpirun
-    from recover_hsdp.mpi_launch import mpirun_prefix
+    from recover_hsdp.cli.launch import resolve_mpirun
+    from recover_hsdp.collectives.mpirun import mpirun_prefix
 
     command = [*mpirun_prefix(3, mpirun=resolve_mpirun()), sys.executable, "-m", "recover_hsdp.train",
                "--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(tmp_path),

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from mpi_programs.mpijob import run_mpi
-from recover_hsdp.mpi_guard import Deadlines
-from recover_hsdp.mpi_launch import check_ulfm_mpirun, heartbeat_detector_args, mpirun_prefix
+from recover_hsdp.collectives.guard import Deadlines
+from recover_hsdp.collectives.mpirun import check_ulfm_mpirun, heartbeat_detector_args, mpirun_prefix
 
 
 @pytest.mark.timeout(120)
@@ -58,5 +58,5 @@ def test_mpirun_prefix_and_check():
 
 def test_guard_does_not_need_mpi():
     # the deadline/watchdog module must stay importable without MPI (used by the launcher side too)
-    code = "import sys, recover_hsdp.mpi_guard; assert 'mpi4py' not in sys.modules"
+    code = "import sys, recover_hsdp.collectives.guard; assert 'mpi4py' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

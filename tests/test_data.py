@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from recover_hsdp.data import MicrobatchDataLoader, PackedSequences, microbatch_sequence_ids
+from recover_hsdp.titan.data import MicrobatchDataLoader, PackedSequences, microbatch_sequence_ids
 
 
 def _loader(replica=1, replicas=3, shard=0, ranks=2, lbs=2, g=2):

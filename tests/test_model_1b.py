@@ -11,7 +11,7 @@ from conftest import REPO
 SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from recover_hsdp import cpu_runtime, model_spec
+    from recover_hsdp.titan import cpu_runtime, model_spec
     cpu_runtime.install(); model_spec.register()
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import ConfigManager
@@ -48,7 +48,7 @@ def test_1b_builds_on_meta_and_fsdp_plan_applies():
 
 FORWARD_BACKWARD = textwrap.dedent("""
     import math, resource, time, torch
-    from recover_hsdp import cpu_runtime, model_spec
+    from recover_hsdp.titan import cpu_runtime, model_spec
     cpu_runtime.install(); model_spec.register()
     from torchtitan.protocols.train_spec import get_train_spec
     spec = get_train_spec("recover_llama3")
@@ -73,9 +73,9 @@ FORWARD_BACKWARD = textwrap.dedent("""
 
 TIED_UNDER_FSDP = textwrap.dedent("""
     import os, torch, torch.distributed as dist
-    from recover_hsdp import cpu_runtime, model_spec
+    from recover_hsdp.titan import cpu_runtime, model_spec
     cpu_runtime.install(); model_spec.register()
-    from recover_hsdp.model_spec import RecoverLlamaArgs
+    from recover_hsdp.titan.model_spec import RecoverLlamaArgs
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.train_spec import get_train_spec

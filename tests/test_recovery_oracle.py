@@ -12,7 +12,7 @@ import torch
 
 from conftest import DEBUG_CONFIG, read_jsonl, run_cli
 from oracle import recompute_gradient
-from recover_hsdp.ledger import read_ledger
+from recover_hsdp.workload.ledger import read_ledger
 
 N_BUCKETS = 8
 STEPS = 4

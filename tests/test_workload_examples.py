@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from recover_hsdp.ledger import LEDGER_NAME, LedgerWriter, plan_record, read_ledger
+from recover_hsdp.workload.ledger import LEDGER_NAME, LedgerWriter, plan_record, read_ledger
 from recover_hsdp.workload import (DataAssignment, Role, WorkloadPolicy,
                                    validate_workload_fields)
-from recover_hsdp.workload_replay import main as replay_main
-from recover_hsdp.workload_replay import replay
+from recover_hsdp.workload.replay import main as replay_main
+from recover_hsdp.workload.replay import replay
 
 
 def policy(w=4, g=3, **kw):

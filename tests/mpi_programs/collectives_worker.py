@@ -1,7 +1,7 @@
 """MPI worker for tests/test_collectives_faults.py: a training-like loop over the collectives layer with a
 real failure injected (SIGKILL by a peer or by the victim itself, or a hang caught by the watchdog).
 
-Run under ULFM mpirun (see recover_hsdp.mpi_launch), R*S ranks:
+Run under ULFM mpirun (see recover_hsdp.collectives.mpirun), R*S ranks:
     python collectives_worker.py --scenario NAME --S S --out DIR [--victims 1,2] [--second 3] ...
 
 Each step: guarded all-reduce of a rank-specific integer-valued buffer on the shard communicator, a

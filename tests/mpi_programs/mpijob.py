@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from recover_hsdp.mpi_launch import mpirun_prefix
+from recover_hsdp.collectives.mpirun import mpirun_prefix
 
 REPO = Path(__file__).resolve().parents[2]
 PROGRAMS = Path(__file__).resolve().parent

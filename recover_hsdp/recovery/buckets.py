@@ -20,18 +20,19 @@ the current epoch from its snapshot (plus any extra microbatches' gradients) and
 again under the new epoch; :meth:`BucketSync.all_current` checks that every bucket carries the
 current epoch before the step may commit.
 
-[Note: hook contract] The hook runs on the main thread with grad mode off; the final ``.grad``
-shard is a view into the bucket, so in-place edits are the intended use. If the hook raised,
-later steps would silently skip gradient reduction: it never raises (errors become a failed
-epoch).
+The FSDP2 behaviour all this relies on, and how it is checked, is [Note: FSDP2 contract] in
+:mod:`recover_hsdp.recovery.fsdp_contract`; GPU stream ordering is [Note: hook streams] there.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+
+from recover_hsdp.recovery.fsdp_contract import check_grads_are_bucket_views, check_unit
 
 
 def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
@@ -54,44 +55,71 @@ class Bucket:
 
     tensor: torch.Tensor          # FSDP's buffer; the unit's .grad shards are views into it
     snapshot: torch.Tensor        # this replica's local contribution, taken before the reduce
+    unit: int = 0                 # index of the FSDP unit whose hook produced it
     epoch: int | None = None      # epoch it was reduced under; None: not (successfully) reduced
     extra: torch.Tensor | None = field(default=None)  # gradients of extra microbatches
 
 
 class BucketSync:
-    """Installs the cross-replica all-reduce hook on every FSDP unit of ``model``.
+    """Installs the cross-replica all-reduce hook on every FSDP unit of a model.
+
+    Build it with :meth:`for_model` (the FSDP2 units of a model, contract checked) or directly
+    from ``units``: objects with FSDP2's ``set_all_reduce_hook``,
+    ``set_force_sum_reduction_for_comms`` and ``set_gradient_divide_factor`` (fakes in tests).
 
     Args:
-        model: the FSDP2 root module.
+        units: the FSDP units, in module order. Unit ``i``'s hook fills bucket ``i``.
         world: a :class:`recover_hsdp.collectives.FaultTolerantWorld` (``allreduce``, ``epoch``,
-            ``epoch_failed``, ``fail_epoch``).
+            ``epoch_failed``, ``fail_epoch``) or a fake with the same methods.
         host_snapshots: keep snapshots in (pinned) host memory instead of device memory (GPU).
         on_bucket: ``on_bucket(index, rereduce)`` called right before each bucket's reduce
             (fault-injection point "after k of n buckets were reduced").
+        hook_stream: GPU only: the stream FSDP runs the hook on (see [Note: hook streams]);
+            ``None`` on CPU.
     """
 
-    def __init__(self, model: torch.nn.Module, world, host_snapshots: bool = False,
-                 on_bucket=None):
+    def __init__(self, units, world, host_snapshots: bool = False, on_bucket=None,
+                 hook_stream=None):
         self.world = world
         self.on_bucket = on_bucket or (lambda index, rereduce: None)
         self.host_snapshots = host_snapshots
-        self.units = fsdp_units(model)
+        self.units = list(units)
         if not self.units:
             raise RuntimeError("model has no FSDP units: the cross-replica reduce needs FSDP2")
+        self.hook_stream = hook_stream
         self.buckets: list[Bucket] = []
+        self._by_unit: dict[int, Bucket] = {}
         self.contributes = True
         self.collecting_extras = False
         self._staging: dict[tuple, torch.Tensor] = {}
-        for unit in self.units:
+        for index, unit in enumerate(self.units):
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_gradient_divide_factor(1.0)
-            unit.set_all_reduce_hook(self._hook)
+            hook = functools.partial(self._hook, index)
+            if hook_stream is None:
+                unit.set_all_reduce_hook(hook)
+            else:
+                unit.set_all_reduce_hook(hook, stream=hook_stream)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, world, host_snapshots: bool = False,
+                  on_bucket=None) -> "BucketSync":
+        """The FSDP2 units of ``model`` (root included), checked against
+        [Note: FSDP2 contract]; on GPU the hook gets a stream of its own."""
+        units = fsdp_units(model)
+        for unit in units:
+            check_unit(unit)
+        stream = None
+        if any(p.device.type == "cuda" for p in model.parameters()):
+            stream = torch.cuda.Stream()
+        return cls(units, world, host_snapshots, on_bucket, hook_stream=stream)
 
     # ------------------------------------------------------------------ step lifecycle
 
     def begin_step(self, contributes: bool) -> None:
         """Forget last step's buckets; ``contributes`` False: reduce zeros (unpromoted spare)."""
         self.buckets = []
+        self._by_unit = {}
         self.contributes = contributes
         self.collecting_extras = False
 
@@ -99,7 +127,17 @@ class BucketSync:
         """Following synced backwards compute extra microbatches: their buckets are added to the
         step's buckets (in the same unit order) instead of being reduced."""
         self.collecting_extras = True
-        self._extra_index = 0
+
+    def check_contract(self) -> None:
+        """Raise if a gradient is not a view of its bucket (item 3 of [Note: FSDP2 contract]).
+        Call after a synced backward, before anything rebinds ``.grad``."""
+        for bucket in self.buckets:
+            unit = self.units[bucket.unit]
+            if not isinstance(unit, torch.nn.Module):
+                continue  # a stand-in unit (tests): it has no parameters to check
+            problem = check_grads_are_bucket_views(unit, bucket.tensor)
+            if problem:
+                raise RuntimeError(problem)
 
     def snapshot_bytes(self) -> int:
         return sum(b.snapshot.numel() * b.snapshot.element_size() for b in self.buckets)
@@ -110,31 +148,37 @@ class BucketSync:
 
     # ------------------------------------------------------------------ the hook
 
-    def _hook(self, tensor: torch.Tensor) -> None:
+    def _hook(self, unit: int, tensor: torch.Tensor) -> None:
         try:
             if self.collecting_extras:
-                self._collect_extra(tensor)
+                self._collect_extra(unit, tensor)
             else:
-                self._snapshot_and_reduce(tensor)
-        except Exception as err:  # never raise out of the hook: see [Note: hook contract]
+                self._snapshot_and_reduce(unit, tensor)
+        except Exception as err:  # never raise out of the hook: see [Note: FSDP2 contract]
             self.world.fail_epoch(f"all-reduce hook error: {err!r}")
 
-    def _snapshot_and_reduce(self, tensor: torch.Tensor) -> None:
+    def _snapshot_and_reduce(self, unit: int, tensor: torch.Tensor) -> None:
+        if unit in self._by_unit:
+            raise RuntimeError(f"FSDP unit {unit} synced twice in one step: each bucket must "
+                               "reach the hook once (sync only on the last microbatch)")
         if self.host_snapshots and tensor.device.type != "cpu":
             snapshot = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             snapshot.copy_(tensor)
         else:
             snapshot = tensor.detach().clone()
-        bucket = Bucket(tensor=tensor, snapshot=snapshot)
+        bucket = Bucket(tensor=tensor, snapshot=snapshot, unit=unit)
         self.buckets.append(bucket)
+        self._by_unit[unit] = bucket
         if not self.contributes:
             tensor.zero_()
         self.on_bucket(len(self.buckets) - 1, False)
         self._reduce(bucket)
 
-    def _collect_extra(self, tensor: torch.Tensor) -> None:
-        bucket = self.buckets[self._extra_index % len(self.buckets)]
-        self._extra_index += 1
+    def _collect_extra(self, unit: int, tensor: torch.Tensor) -> None:
+        bucket = self._by_unit.get(unit)
+        if bucket is None or bucket.tensor.shape != tensor.shape:
+            raise RuntimeError(f"extra microbatch gradient of FSDP unit {unit} has no matching "
+                               "bucket of this step (see [Note: FSDP2 contract])")
         extra = tensor.detach().to(bucket.snapshot.device)
         bucket.extra = extra.clone() if bucket.extra is None else bucket.extra.add_(extra)
         # FSDP accumulates this buffer into .grad after the hook: make that a no-op; the extra
@@ -155,6 +199,17 @@ class BucketSync:
                 tensor.copy_(host)
         bucket.epoch = self.world.epoch if ok else None
 
+    def _join_hook_stream(self) -> None:
+        """[Note: hook streams] order the caller's stream after the hook's work (GPU only)."""
+        if self.hook_stream is None:
+            return
+        current = torch.cuda.current_stream()
+        current.wait_stream(self.hook_stream)
+        for bucket in self.buckets:
+            for tensor in (bucket.tensor, bucket.snapshot, bucket.extra):
+                if tensor is not None and tensor.is_cuda:
+                    tensor.record_stream(current)
+
     def _pinned_staging(self, tensor: torch.Tensor) -> torch.Tensor:
         """One reusable pinned host buffer per bucket shape (allocated on first use)."""
         key = (tuple(tensor.shape), tensor.dtype)
@@ -170,6 +225,7 @@ class BucketSync:
         those buckets stale again: the caller runs the consensus and loops."""
         self.contributes = contributes
         self.collecting_extras = False
+        self._join_hook_stream()
         redone = 0
         for index, bucket in enumerate(self.buckets):
             if bucket.epoch == self.world.epoch and bucket.extra is None:

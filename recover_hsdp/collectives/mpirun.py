@@ -36,7 +36,7 @@ def heartbeat_detector_args(period_s: float = 0.5, timeout_s: float = 2.0) -> li
     It declares a rank dead when its heartbeats stop for ``timeout_s``. Measured caveat: without its own
     progress thread it also kills ranks that compute longer than ``timeout_s`` without calling MPI, and
     with the thread it cannot see a stuck main thread. The application watchdog in
-    ``recover_hsdp.mpi_guard`` (``Deadlines.hang_timeout_s``) is the recommended hang detector.
+    ``recover_hsdp.collectives.guard`` (``Deadlines.hang_timeout_s``) is the recommended hang detector.
     """
     return ["--mca", "mpi_ft_detector", "true",
             "--mca", "mpi_ft_detector_period", str(period_s),

@@ -55,7 +55,7 @@ class ReplicaWorld:
 
 def current_placement() -> ProcessPlacement:
     if _PLACEMENT is None:
-        raise RuntimeError("recover_hsdp.bootstrap.bootstrap_replica() has not run in this process")
+        raise RuntimeError("recover_hsdp.manager.bootstrap.bootstrap_replica() has not run in this process")
     return _PLACEMENT
 
 
@@ -78,9 +78,9 @@ def bootstrap_replica(ranks_per_replica: int, timeout_s: float = 300.0,
     """
     global _PLACEMENT
     comm = comm or MPI.COMM_WORLD
-    from recover_hsdp.config import check_world_size
-
-    check_world_size(comm.Get_size(), ranks_per_replica)
+    if ranks_per_replica < 1 or comm.Get_size() % ranks_per_replica:
+        raise ValueError(f"ranks_per_replica={ranks_per_replica} does not divide the MPI world "
+                         f"size {comm.Get_size()} (validate the config first)")
     layout = ProcessPlacement(comm.Get_rank(), comm.Get_size(), ranks_per_replica)
     replica_comm = comm.Split(color=layout.replica, key=layout.shard)
     try:

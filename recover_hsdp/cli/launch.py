@@ -19,8 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from recover_hsdp.config import ConfigError, check_batch_sizes, load_toml
-from recover_hsdp.mpi_launch import check_ulfm_mpirun, default_mpirun, mpirun_prefix
+from recover_hsdp.config import ConfigError, check_batch_sizes, load_toml, validate
+from recover_hsdp.collectives.mpirun import check_ulfm_mpirun, default_mpirun, mpirun_prefix
 
 
 def _tool(name: str) -> str | None:
@@ -47,48 +47,72 @@ def resolve_mpirun() -> str:
     return mpirun
 
 
-def _override(overrides: list[str], key: str, default):
-    """Value of a ``--section.field`` override in the torchtitan argument list, if present."""
-    for index, arg in enumerate(overrides):
-        if arg == key and index + 1 < len(overrides):
-            return overrides[index + 1]
-        if arg.startswith(key + "="):
-            return arg.split("=", 1)[1]
-    return default
+def read_job_config(config_file: str | Path, overrides: list[str]):
+    """The JobConfig every rank will see: TorchTitan's own ``ConfigManager`` over the TOML file and
+    the ``--section.field`` overrides, problems turned into one-line ConfigErrors. Imports
+    torchtitan (the launcher calls it once, before anything starts)."""
+    load_toml(config_file)  # file, TOML syntax and [recover] keys, with their one-line errors
+    from torchtitan.config import ConfigManager
+
+    import contextlib
+    import io
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            return ConfigManager().parse_args(["--job.config_file", str(config_file), *overrides])
+    except SystemExit:  # tyro's usage error, boxed over several lines: keep its words, one line
+        lines = [line.strip(" |\u2500\u2502\u256d\u256e\u2570\u256f")
+                 for line in captured.getvalue().splitlines()]
+        content = [line for line in lines if line and set(line) - set("-\u2500")]
+        body: list[str] = []
+        for line in content[1:]:
+            if line.startswith("For full helptext"):
+                break
+            body.append(line)
+            if body[-2:-1] and body[-2].startswith("Perhaps you meant"):
+                break  # the suggestion's first line; its help text follows
+        message = " ".join(body) or "bad override"
+        raise ConfigError(f"--config {config_file}: {message}: fix the --section.field "
+                          "override") from None
+    except (ValueError, TypeError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"--config {config_file}: {first}: fix the file or the override") from None
 
 
 def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
-    config = load_toml(args.config)
-    recover = config.get("recover", {})
-    training = config.get("training", {})
-    ranks_per_replica = args.ranks_per_replica or int(recover.get("ranks_per_replica", 1))
-    local_bs = int(_override(args.overrides, "--training.local_batch_size",
-                             training.get("local_batch_size", 8)))
-    global_bs = int(_override(args.overrides, "--training.global_batch_size",
-                              training.get("global_batch_size", -1)))
-    check_batch_sizes(local_bs, global_bs, args.replicas, ranks_per_replica)
-    ranks = args.replicas * ranks_per_replica
+    """The command line of the job and its output folder. The config is read once here through
+    TorchTitan's ``ConfigManager`` with exactly the arguments every rank will get, and checked
+    with the same ``validate`` the ranks run: bad input stops here with one line."""
     out = Path(args.out or Path("outputs") / Path(args.config).stem).resolve()
-    train = ["-m", "recover_hsdp.train", "--job.config_file", str(args.config),
-             "--job.dump_folder", str(out)]
+    ranks_per_replica = args.ranks_per_replica or read_job_config(
+        args.config, list(args.overrides)).recover.ranks_per_replica
+    ranks = args.replicas * ranks_per_replica
+    train = ["--job.config_file", str(args.config), "--job.dump_folder", str(out)]
     if args.stock:
-        torchrun = _tool("torchrun") or "torchrun"
-        command = [torchrun, "--standalone", "--nproc_per_node", str(ranks), *train,
-                   "--recover.no-enable",
-                   "--parallelism.data_parallel_replicate_degree", str(args.replicas),
-                   "--parallelism.data_parallel_shard_degree", str(ranks_per_replica)]
+        train += ["--recover.no-enable",
+                  "--parallelism.data_parallel_replicate_degree", str(args.replicas),
+                  "--parallelism.data_parallel_shard_degree", str(ranks_per_replica)]
     else:
-        threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        command = [*mpirun_prefix(ranks, mpirun=resolve_mpirun(), env=threads), sys.executable,
-                   *train,
-                   "--recover.enable", "--recover.ranks_per_replica", str(ranks_per_replica)]
+        train += ["--recover.enable", "--recover.ranks_per_replica", str(ranks_per_replica)]
     if args.fault:
         from recover_hsdp.faults import FaultSpec
 
         for spec in args.fault:
             FaultSpec.parse(spec)  # one-line error now, not inside every rank
-        command += ["--recover.faults.inject", "; ".join(args.fault)]
-    return command + list(args.overrides), out
+        train += ["--recover.faults.inject", "; ".join(args.fault)]
+    train += list(args.overrides)
+    job = read_job_config(args.config, train[2:])
+    check_batch_sizes(job.training.local_batch_size, job.training.global_batch_size,
+                      args.replicas, ranks_per_replica)
+    validate(job, world_size=ranks)
+    if args.stock:
+        torchrun = _tool("torchrun") or "torchrun"
+        launcher = [torchrun, "--standalone", "--nproc_per_node", str(ranks)]
+    else:
+        threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        launcher = [*mpirun_prefix(ranks, mpirun=resolve_mpirun(), env=threads), sys.executable]
+    return [*launcher, "-m", "recover_hsdp.train", *train], out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        from recover_hsdp.demo import run_demo
+        from recover_hsdp.cli.demo import run_demo
 
         return run_demo(args, train_main=main)
     try:

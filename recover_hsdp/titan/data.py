@@ -242,13 +242,32 @@ def build_tokenizer(job_config):
     return build_hf_tokenizer(job_config)
 
 
+def resolve_replica_layout(job_config, dp_world_size: int, dp_rank: int) -> tuple[int, int, int, int]:
+    """(replicas R, this replica r, ranks per replica S, this shard s) for a data-parallel rank.
+
+    Stock HSDP: TorchTitan's data-parallel world is all R*S ranks, rank = r*S + s. MPI path:
+    TorchTitan only sees the replica's S ranks; R and r come from the MPI bootstrap.
+    """
+    if job_config.recover.enable:
+        from recover_hsdp.manager.bootstrap import current_placement  # MPI path only
+
+        layout = current_placement()
+        return layout.replicas, layout.replica, layout.ranks_per_replica, dp_rank
+    shard_degree = job_config.parallelism.data_parallel_shard_degree
+    replicate = job_config.parallelism.data_parallel_replicate_degree
+    if shard_degree < 1:
+        shard_degree = dp_world_size // max(replicate, 1)
+    replica, shard = divmod(dp_rank, shard_degree)
+    return dp_world_size // shard_degree, replica, shard_degree, shard
+
+
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> BaseDataLoader:
     """TorchTitan dataloader builder (TrainSpec.build_dataloader_fn).
 
     Stock HSDP passes the whole data-parallel world (R*S ranks, rank = r*S + s). The MPI path
     passes only the replica's torch world; the replica id then comes from the MPI bootstrap.
     """
-    from recover_hsdp.config import microbatches_per_replica, resolve_replica_layout
+    from recover_hsdp.config import microbatches_per_replica
 
     replicas, replica, ranks_per_replica, shard = resolve_replica_layout(
         job_config, dp_world_size, dp_rank)

@@ -355,10 +355,3 @@ def _sorted_ids(replicas: Iterable[int]) -> tuple[int, ...]:
         raise ValueError(f"alive replicas must be non-empty non-negative ids (got {list(ids)})")
     return ids
 
-
-if __name__ == "__main__":
-    import sys
-
-    from recover_hsdp.workload_replay import main
-
-    sys.exit(main())

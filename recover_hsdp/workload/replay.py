@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from recover_hsdp.workload import Role, StepPlan, WorkloadPolicy
+from recover_hsdp.workload.policy import Role, StepPlan, WorkloadPolicy
 
 HEADER = ("failure", "victim", "alive W", "promoted", "extra mb", "max extra/replica",
           "G", "majors", "minor (quota)", "spares")

@@ -6,7 +6,7 @@ Registered through TorchTitan's public ``register_train_spec``; configs select i
 - flavor ``1B``: the Llama 3.2 1B shape (dim 2048, 16 layers, 32 heads, 8 KV heads,
   ffn_dim_multiplier 1.5, multiple_of 256, rope_theta 500000, vocab 128256) with the output
   projection tied to the token embedding as in Llama 3.2 (1.24B parameters; untied 1.50B);
-- dataloader/tokenizer: :mod:`recover_hsdp.data` (local corpus on CPU, C4 on clusters);
+- dataloader/tokenizer: :mod:`recover_hsdp.titan.data` (local corpus on CPU, C4 on clusters);
 - parallelize: always FSDP2. TorchTitan falls back to DDP when the shard degree is 1, and the
   MPI path's one-rank replica world would get no data parallelism at all; both need FSDP2's
   all-reduce hook / HSDP semantics, so with shard degree 1 the model is wrapped with
@@ -32,8 +32,9 @@ from torchtitan.models.llama3.model.model import Transformer
 from torchtitan.protocols.train_spec import register_train_spec
 import torchtitan.tools.utils as tt_utils
 
-from recover_hsdp import data
-from recover_hsdp.cpu_runtime import use_sum_reduce_scatter_on_gloo
+from recover_hsdp.titan import data
+from recover_hsdp.titan.cpu_runtime import use_sum_reduce_scatter_on_gloo
+from recover_hsdp.titan.metrics import build_metrics_processor
 
 TRAIN_SPEC_NAME = "recover_llama3"
 
@@ -97,7 +98,7 @@ def _data_parallel_mesh(parallel_dims):
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
         return parallel_dims.get_mesh(names)
-    device_type = tt_utils.device_type  # "cpu" once recover_hsdp.cpu_runtime is installed
+    device_type = tt_utils.device_type  # "cpu" once recover_hsdp.titan.cpu_runtime is installed
     if parallel_dims.dp_replicate > 1:
         return init_device_mesh(device_type, (parallel_dims.dp_replicate, 1),
                                 mesh_dim_names=("dp_replicate", "fsdp"))
@@ -134,6 +135,7 @@ def register() -> None:
         pipelining_fn=None,
         build_dataloader_fn=data.build_dataloader,
         build_tokenizer_fn=data.build_tokenizer,
+        build_metrics_processor_fn=build_metrics_processor,
     )
     try:
         register_train_spec(TRAIN_SPEC_NAME, spec)

@@ -45,8 +45,8 @@ if "mpi4py.MPI" not in sys.modules:
 from mpi4py import MPI  # noqa: E402
 import numpy as np  # noqa: E402
 
-from recover_hsdp.membership import ConsensusResult, ReplicaLayout  # noqa: E402
-from recover_hsdp.mpi_guard import Deadlines, MpiGuard, die, log_line  # noqa: E402
+from recover_hsdp.collectives.membership import ConsensusResult, ReplicaLayout  # noqa: E402
+from recover_hsdp.collectives.guard import Deadlines, MpiGuard, die, log_line  # noqa: E402
 
 __all__ = ["CHUNK_BYTES", "ConsensusResult", "Deadlines", "FaultTolerantWorld", "ReplicaLayout"]
 
@@ -86,7 +86,7 @@ class FaultTolerantWorld:
 
     Initial construction is collective over ``comm`` and not fault tolerant (a failure raises).
     The hang watchdog starts here: beat ``heartbeat()`` during long computations or use
-    ``watchdog_paused()`` (see ``recover_hsdp.mpi_guard``). Only the main thread may call MPI.
+    ``watchdog_paused()`` (see ``recover_hsdp.collectives.guard``). Only the main thread may call MPI.
     """
 
     def __init__(self, comm: MPI.Comm | None = None, ranks_per_replica: int = 1,

@@ -1,0 +1,12 @@
+"""The step protocol: ``RecoverManager`` (what the trainer calls) and the process bootstrap.
+
+  manager.py    ``RecoverManager``: [Note: the step protocol] over the three layers; ``build_manager``
+  bootstrap.py  process model: MPI rank -> (replica, shard), the replica's torch.distributed store
+
+Imports torch and the three layers (collectives, recovery, workload), never torchtitan: the
+trainer hands it a ``StepWork`` (forward/backward, gradient sync, optimizer update).
+"""
+
+from recover_hsdp.manager.manager import RecoverManager, StepWork, build_manager
+
+__all__ = ["RecoverManager", "StepWork", "build_manager"]

@@ -1,0 +1,316 @@
+"""RecoverManager: the ReCoVer step protocol as a component the trainer calls.
+
+Like TorchTitan's ``FTManager`` (torchtitan/components/ft/manager.py) this is a component, not a
+trainer: ``RecoverTrainer`` (``recover_hsdp.titan.trainer``) computes microbatches and applies the
+optimizer; the manager decides what to compute, keeps the cross-replica sums consistent and tells
+the trainer when it may update. It holds the three layers and the run's outputs:
+
+  world         layer 1, ``recover_hsdp.collectives.FaultTolerantWorld`` (a fake in tests)
+  bucket_sync   layer 2, ``recover_hsdp.recovery.BucketSync`` (FSDP2 all-reduce hook)
+  policy        layer 3, ``recover_hsdp.workload.WorkloadPolicy`` (roles, quotas, G)
+  faults        real failure injection points (``recover_hsdp.faults``)
+  outputs       metrics / events / ledger / writer election (``RunMetrics``, ``LedgerWriter``)
+
+[Note: the step protocol] One step on a surviving rank (docs/DESIGN.md section 3):
+  1. plan: the policy maps (step, alive replicas) to this replica's role and microbatch ids;
+     it is computed identically everywhere from the agreed membership, so it needs no messages;
+  2. compute: forward/backward of each id, FSDP gradient sync on the last one only
+     (``StepWork.set_gradient_sync``); a replica-local error fails the epoch;
+  3. sync: during the last backward the all-reduce hook of every FSDP unit snapshots its bucket
+     and sums it across replicas under the current epoch; then (loss, tokens) of the committed
+     microbatches are summed the same way;
+  4. consensus: every rank agrees the epoch was clean -> commit: the trainer rescales, clips and
+     steps the optimizer (``StepWork.apply_update``); ledger line, metrics record;
+  5. otherwise the world shrinks (epoch + 1), ranks of dead replicas retire, the policy re-plans
+     the step (promote a spare, deal extra microbatches), the extras are computed, stale buckets
+     are restored from their snapshots and reduced again, and back to 4. A failure during 5
+     loops again; each loop needs a new death, so it ends.
+Invariant: every committed step sums exactly B microbatch gradients (the policy asserts it per
+plan, the ledger refuses a line that does not), each bucket reduced under one membership
+(``BucketSync.all_current`` asserted before ``apply_update``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from recover_hsdp.faults import FaultInjector, Phase
+from recover_hsdp.outputs import RunMetrics, backfill_jsonl
+from recover_hsdp.workload import DataAssignment, Role, StepPlan, WorkloadPolicy
+from recover_hsdp.workload.ledger import LedgerWriter, plan_record
+
+
+class StepWork(Protocol):
+    """What the trainer does for the manager inside one step (one replica, this rank)."""
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """FSDP gradient sync on (last microbatch) or off (accumulate locally)."""
+
+    def forward_backward(self, data_id: int, nominal_tokens: int,
+                         before_backward: Callable[[], None]) -> tuple[float, int]:
+        """Forward + backward of dataset microbatch ``data_id``, loss divided by
+        ``nominal_tokens``; ``before_backward()`` between the two (a fault-injection point).
+        Returns (that loss as a float, valid label tokens)."""
+
+    def apply_update(self, grad_scale: float) -> float:
+        """Scale the reduced gradient by ``grad_scale`` (1.0: no-op), clip, optimizer and LR
+        scheduler step. Returns the gradient norm before clipping."""
+
+
+@dataclass
+class _StepState:
+    """What one step accumulates on this rank while the protocol runs."""
+
+    stats: dict[int, tuple[float, int]] = field(default_factory=dict)  # id -> (loss, tokens)
+    extras_done: tuple[int, ...] = ()
+    sync_time_s: float = 0.0
+
+
+class RecoverManager:
+    """Drives one ReCoVer step per call to :meth:`step`; see [Note: the step protocol].
+
+    Args:
+        world: the fault-tolerant world (``FaultTolerantWorld`` or a fake with its interface).
+        bucket_sync: the ``BucketSync`` installed on this rank's FSDP model.
+        policy: the workload policy (same initial state on every rank).
+        faults: this rank's ``FaultInjector``.
+        outputs: ``RunMetrics`` of this rank (writes only while this rank is the writer).
+        out_dir: the run's output folder (ledger).
+        tokens_per_microbatch: label tokens of one microbatch of one replica (S x batch x seq).
+        consistency_check_interval: every this many steps compare parameter checksums across
+            replicas (0: never); ``parameter_checksum`` computes this rank's.
+    """
+
+    def __init__(self, *, world, bucket_sync, policy: WorkloadPolicy, faults: FaultInjector,
+                 outputs: RunMetrics, out_dir: str | Path, tokens_per_microbatch: int,
+                 consistency_check_interval: int = 0,
+                 parameter_checksum: Callable[[], float] | None = None):
+        self.world = world
+        self.bucket_sync = bucket_sync
+        self.policy = policy
+        self.faults = faults
+        self.outputs = outputs
+        self.out_dir = Path(out_dir)
+        self.tokens_per_microbatch = tokens_per_microbatch
+        self.consistency_check_interval = consistency_check_interval
+        self.parameter_checksum = parameter_checksum
+        self.replica, self.shard = world.replica, world.shard
+        self._ledger_records: list[dict] = []  # every rank keeps them: a new writer back-fills
+        self.outputs.set_writer(self.is_writer)
+        self.ledger = LedgerWriter(self.out_dir) if self.is_writer else None
+        self._contract_checked = False
+        self._current_step = 0
+        bucket_sync.on_bucket = self._bucket_fault_point
+
+    # ---------------------------------------------------------------- roles of this rank
+
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0's duties (metrics, events, ledger, summary) belong to shard 0 of the lowest
+        surviving replica."""
+        return self.replica == min(self.world.alive_replicas) and self.shard == 0
+
+    @property
+    def saves_checkpoints(self) -> bool:
+        """DCP checkpoints are written by one replica, the writer's (every rank of it)."""
+        return self.replica == min(self.world.alive_replicas)
+
+    @property
+    def alive_replicas(self) -> int:
+        return len(self.world.alive_replicas)
+
+    # ---------------------------------------------------------------- one step
+
+    def step(self, step: int, work: StepWork) -> dict[str, Any]:
+        """Run [Note: the step protocol] for ``step``; returns the committed step's record."""
+        world, sync = self.world, self.bucket_sync
+        self._current_step = step
+        state = _StepState()
+        plan = self.policy.plan(step - 1, world.alive_replicas)
+        mine = plan.assignment(self.replica)
+        nominal_tokens = plan.global_microbatches * self.tokens_per_microbatch
+        sync.begin_step(contributes=mine.commits_compute)
+        sync_started = self._compute(step, work, plan, mine.compute_ids, nominal_tokens, state)
+        self.faults.at(step, Phase.GRAD_SYNC, bucket=len(sync.buckets),
+                       buckets_total=len(sync.buckets))
+        state.sync_time_s = time.perf_counter() - sync_started
+        totals = self._committed_totals(mine, state)
+        while True:
+            self.faults.at(step, Phase.CONSENSUS)
+            result = world.consensus(not world.epoch_failed and sync.all_current())
+            if result.retire:
+                world.retire(f"step {step}")
+            if result.clean:
+                break
+            plan, mine, totals = self._recover(step, work, plan, result, nominal_tokens, state)
+        return self._commit(step, work, plan, totals, nominal_tokens, state)
+
+    def _compute(self, step: int, work: StepWork, plan: StepPlan, ids: Sequence[int],
+                 nominal_tokens: int, state: _StepState) -> float:
+        """Forward/backward of ``ids`` (FSDP syncs on the last one). Returns when sync began.
+
+        An idle replica computes one microbatch and contributes zeros (its buckets must still
+        reach the collectives). An error raised inside the replica (a gloo error because a peer
+        of this replica died, an OOM) fails the epoch; the replica then retires at the
+        consensus (a replica lives or dies as a unit)."""
+        data_ids = [self._data_id(plan, i) for i in ids] or [0]
+        sync_started = time.perf_counter()
+        try:
+            for index, data_id in enumerate(data_ids):
+                last = index == len(data_ids) - 1
+                work.set_gradient_sync(last)
+                if last:
+                    sync_started = time.perf_counter()
+                self.faults.at(step, Phase.FORWARD)
+                loss, tokens = work.forward_backward(
+                    data_id, nominal_tokens, lambda: self.faults.at(step, Phase.BACKWARD))
+                if ids:
+                    state.stats[ids[index]] = (loss, tokens)
+                self.world.heartbeat()
+        except RuntimeError as err:
+            self.world.fail_epoch(f"replica-local error: {str(err).splitlines()[0][:120]}")
+        return sync_started
+
+    def _data_id(self, plan: StepPlan, microbatch: int) -> int:
+        """Dataset microbatch id: global ids in exact mode; in stream mode replica r's shard of
+        the endless stream is ids r, r + W_init, r + 2 W_init, ..."""
+        if plan.data_assignment is DataAssignment.EXACT:
+            return microbatch
+        return microbatch * self.policy.initial_replicas + self.replica
+
+    def _committed_totals(self, mine, state: _StepState) -> np.ndarray:
+        """Global (loss, valid tokens) of the committed microbatches; a failed reduce returns
+        garbage and fails the epoch (recomputed after the repair)."""
+        local = np.zeros(2, np.float64)
+        for microbatch in mine.committed_ids:
+            loss, tokens = state.stats.get(microbatch, (0.0, 0))
+            local += (loss, tokens)
+        self.world.allreduce_global(local)
+        return local
+
+    def _recover(self, step: int, work: StepWork, plan: StepPlan, result, nominal_tokens: int,
+                 state: _StepState):
+        """Re-plan the step after a shrink; compute new extras; restore + re-reduce buckets."""
+        started = time.perf_counter()
+        plan = self.policy.replan(plan, result.dead_replicas)
+        mine = plan.assignment(self.replica)
+        new_extras = mine.extra_ids[len(state.extras_done):]
+        self._take_over_writer_duties()
+        if new_extras:
+            self.bucket_sync.begin_extras()
+            self._compute(step, work, plan, new_extras, nominal_tokens, state)
+            work.set_gradient_sync(True)
+        state.extras_done = mine.extra_ids
+        extra_s = time.perf_counter() - started
+        rebuilt = self.bucket_sync.rereduce(contributes=mine.commits_compute)
+        totals = self._committed_totals(mine, state)
+        self.outputs.log_event({
+            "step": step, "epoch": result.epoch, "dead_replicas": sorted(result.dead_replicas),
+            "alive_replicas": list(result.alive_replicas), "detect_s": result.detect_s,
+            "repair_s": result.repair_s, "extra_compute_s": extra_s,
+            "restore_s": time.perf_counter() - started - extra_s, "rebuilt_buckets": rebuilt,
+            "extra_microbatches": plan.extras_total(), "promoted": list(plan.promoted()),
+            "repair_rounds": result.rounds,
+        })
+        return plan, mine, totals
+
+    def _take_over_writer_duties(self) -> None:
+        """The old writer died: this rank writes from now on, first what it had not written."""
+        if self.ledger is None and self.is_writer:
+            backfill_jsonl(self.out_dir / "ledger.jsonl", self._ledger_records,
+                           lambda r: r["step"])
+            self.ledger = LedgerWriter(self.out_dir)
+        self.outputs.set_writer(self.is_writer)
+
+    def _commit(self, step: int, work: StepWork, plan: StepPlan, totals: np.ndarray,
+                nominal_tokens: int, state: _StepState) -> dict[str, Any]:
+        assert self.bucket_sync.all_current(), "a bucket was reduced under an older epoch"
+        if not self._contract_checked:  # once: [Note: FSDP2 contract] item 3
+            self.bucket_sync.check_contract()
+            self._contract_checked = True
+        loss_sum, tokens = float(totals[0]), int(totals[1])
+        scale = 1.0
+        if tokens and tokens != nominal_tokens:  # keep the loss normalised by committed tokens
+            scale = nominal_tokens / tokens
+            loss_sum *= scale
+        self.faults.at(step, Phase.OPTIMIZER)
+        grad_norm = work.apply_update(scale)
+        self.policy.commit(plan)
+        self._ledger_records.append(plan_record(plan, self.world.epoch))
+        if self.ledger is not None:
+            self.ledger.append(plan, self.world.epoch)
+        interval = self.consistency_check_interval
+        if interval > 0 and step % interval == 0 and self.parameter_checksum is not None:
+            self._check_replicas_identical(step)
+        return {
+            "step": step, "loss": loss_sum, "grad_norm": float(grad_norm), "tokens": tokens,
+            "alive_replicas": len(self.world.alive_replicas),
+            "committed_microbatches": plan.committed_total(), "epoch": self.world.epoch,
+            "g": plan.g, "roles": {r.value: plan.count(r) for r in Role},
+            "quota": plan.assignment(self.replica).quota, "sync_time_s": state.sync_time_s,
+            "snapshot_bytes_per_rank": self.bucket_sync.snapshot_bytes(),
+        }
+
+    def _check_replicas_identical(self, step: int) -> None:
+        values = self.world.allgather(self.parameter_checksum())
+        if values is not None and len(set(values)) != 1:
+            raise RuntimeError(f"step {step}: replicas diverged: parameter checksums "
+                               f"{values} for shard {self.shard}")
+
+    def _bucket_fault_point(self, index: int, rereduce: bool) -> None:
+        phase = Phase.REREDUCE if rereduce else Phase.GRAD_SYNC
+        self.faults.at(self._current_step, phase, bucket=index)
+
+    # ---------------------------------------------------------------- state, end of run
+
+    def state_dict(self) -> dict[str, Any]:
+        """The workload policy (B, G, stream cursors): a restart with fewer replicas keeps B."""
+        return self.policy.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy = WorkloadPolicy.from_state_dict(state,
+                                                     alive_replicas=self.world.alive_replicas)
+
+    def close(self) -> None:
+        """Close the ledger, then the world's last fault-tolerant agreement (every rank)."""
+        if self.ledger is not None:
+            self.ledger.close()
+        self.world.finish()
+
+
+def build_manager(job_config, placement, model, outputs: RunMetrics) -> RecoverManager:
+    """The manager of one rank of a job: the ULFM world over ``MPI.COMM_WORLD``, the policy from
+    the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
+    rank's faults. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap)."""
+    from recover_hsdp.collectives import MPI, Deadlines, FaultTolerantWorld
+    from recover_hsdp.config import microbatches_per_replica
+    from recover_hsdp.faults import build_injector
+    from recover_hsdp.recovery import BucketSync, local_parameter_checksum
+
+    rc, training = job_config.recover, job_config.training
+    hang = rc.hang_timeout_s
+    world = FaultTolerantWorld(
+        MPI.COMM_WORLD, placement.ranks_per_replica,
+        Deadlines(call_s=2 * hang + 30, repair_s=3 * hang + 30, hang_timeout_s=hang,
+                  retire_grace_s=min(2.0, hang / 4)))
+    g = microbatches_per_replica(training.local_batch_size, training.global_batch_size,
+                                 placement.replicas * placement.ranks_per_replica)
+    policy = WorkloadPolicy(initial_replicas=placement.replicas, microbatches_per_replica=g,
+                            keep_spares=rc.keep_spares, data_assignment=rc.data_assignment,
+                            g_raise=rc.g_raise)
+    out_dir = job_config.job.dump_folder
+    return RecoverManager(
+        world=world, bucket_sync=BucketSync.for_model(model, world, rc.host_snapshots),
+        policy=policy,
+        faults=build_injector(rc.faults, placement.replicas, placement.replica, placement.shard,
+                              out_dir),
+        outputs=outputs, out_dir=out_dir,
+        tokens_per_microbatch=(placement.ranks_per_replica * training.local_batch_size
+                               * training.seq_len),
+        consistency_check_interval=rc.consistency_check_interval,
+        parameter_checksum=lambda: local_parameter_checksum(model))

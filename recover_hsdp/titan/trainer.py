@@ -1,0 +1,153 @@
+"""RecoverTrainer: TorchTitan's Trainer whose replicas are kept alive by a RecoverManager.
+
+Selected by ``[recover] enable = true`` and launched by mpirun (one rank per device); with
+``enable = false`` ``recover_hsdp.train`` runs TorchTitan's own ``Trainer``. This class only
+adapts TorchTitan to the manager:
+
+* ``init_distributed``: the replica's torch.distributed world (S ranks, bootstrapped over MPI);
+  TorchTitan sees only that world, so FSDP2 shards over the replica;
+* ``train_step``: ``RecoverManager.step`` runs [Note: the step protocol] (manager/manager.py)
+  and calls back into this class, a ``StepWork``: ``set_gradient_sync``, ``forward_backward``,
+  ``apply_update``;
+* outputs go through the TrainSpec's metrics processor (``recover_hsdp.titan.metrics``), DCP
+  checkpoints through :class:`ReplicaCheckpointer`, the policy state through ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.train import Trainer
+
+from recover_hsdp.config import validate
+from recover_hsdp.manager import build_manager
+from recover_hsdp.manager.bootstrap import bootstrap_replica
+from recover_hsdp.titan.metrics import full_tensors
+
+
+class ReplicaCheckpointer:
+    """TorchTitan's ``CheckpointManager`` that saves on the writer's replica only.
+
+    [Note: one replica saves] Every replica holds the same parameters (checked every
+    ``consistency_check_interval`` steps), and each replica's DCP save is a collective of its
+    own S ranks writing the same files: one replica (the lowest alive) writes, the others skip.
+    The hang watchdog is paused during the save (a long write is not a hang); MPI-call deadlines
+    still apply. Everything else is delegated unchanged."""
+
+    def __init__(self, inner, manager):
+        self._inner, self._manager = inner, manager
+
+    def save(self, curr_step: int, last_step: bool = False) -> None:
+        if self._manager.saves_checkpoints:
+            with self._manager.world.watchdog_paused():
+                self._inner.save(curr_step, last_step=last_step)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class RecoverTrainer(Trainer):
+    """TorchTitan Trainer whose data-parallel replicas talk over fault-tolerant MPI."""
+
+    def __init__(self, job_config):
+        from recover_hsdp.collectives import MPI
+
+        validate(job_config, world_size=MPI.COMM_WORLD.Get_size())
+        self.replica_world = bootstrap_replica(job_config.recover.ranks_per_replica,
+                                               job_config.comm.init_timeout_seconds)
+        super().__init__(job_config)
+        self.manager = build_manager(job_config, self.replica_world.layout, self.model_parts[0],
+                                     self.metrics_processor.outputs)
+        self.checkpointer = ReplicaCheckpointer(self.checkpointer, self.manager)
+
+    def init_distributed(self) -> ParallelDims:
+        layout = self.replica_world.layout
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(
+            backend, store=self.replica_world.store, rank=layout.shard,
+            world_size=layout.ranks_per_replica,
+            timeout=timedelta(seconds=self.job_config.comm.init_timeout_seconds))
+        parallelism = self.job_config.parallelism
+        parallelism.data_parallel_replicate_degree = 1
+        parallelism.data_parallel_shard_degree = layout.ranks_per_replica
+        return ParallelDims(dp_shard=layout.ranks_per_replica, dp_replicate=1, cp=1, tp=1, pp=1,
+                            ep=1, etp=1, world_size=layout.ranks_per_replica)
+
+    # ---------------------------------------------------------------- one step
+
+    def train_step(self, data_iterator) -> None:
+        started = time.perf_counter()
+        self.optimizers.zero_grad()
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        record = self.manager.step(self.step, self)
+        record["lr"] = lr
+        record["step_time_s"] = time.perf_counter() - started
+        alive_ranks = record["alive_replicas"] * self.replica_world.layout.ranks_per_replica
+        record["tokens_per_s_per_rank"] = record["tokens"] / record["step_time_s"] / alive_ranks
+        self.ntokens_seen += record["tokens"]
+        self.metrics_processor.log_step(record, alive_ranks)
+
+    # StepWork (recover_hsdp.manager.StepWork) --------------------------------------------
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        self.model_parts[0].set_requires_gradient_sync(enabled)
+
+    def forward_backward(self, data_id: int, nominal_tokens: int, before_backward):
+        input_dict, labels = self.dataloader.batch(data_id)
+        inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
+            {k: v.to(self.device) for k, v in input_dict.items()}, labels.to(self.device))
+        with self.train_context(), self.maybe_enable_amp:
+            pred = self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
+            loss = self.loss_fn(pred, labels) / nominal_tokens
+        del pred
+        before_backward()
+        loss.backward()
+        return float(loss.detach()), int((labels != IGNORE_INDEX).sum())
+
+    def apply_update(self, grad_scale: float) -> float:
+        params = [p for m in self.model_parts for p in m.parameters()]
+        if grad_scale != 1.0:
+            for param in params:
+                if param.grad is not None:
+                    param.grad.mul_(grad_scale)
+        if str(self.step) in {s.strip() for s in self.job_config.recover.dump_step_gradients}:
+            self._dump_step_gradients()
+        grad_norm = dist_utils.clip_grad_norm_(params, self.job_config.training.max_norm,
+                                               foreach=True)
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        return float(grad_norm)
+
+    # ---------------------------------------------------------------- state, outputs
+
+    def state_dict(self):
+        """Checkpointed train state, with the workload policy (B, G, stream cursors) so that a
+        restart with fewer replicas keeps the same B."""
+        state = super().state_dict()
+        state["workload"] = json.dumps(self.manager.state_dict())
+        return state
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        if "workload" in state_dict:
+            self.manager.load_state_dict(json.loads(state_dict["workload"]))
+
+    def _dump_step_gradients(self) -> None:
+        """Oracle tests: full parameters before the update and the committed gradient."""
+        model = self.model_parts[0]
+        params, grads = full_tensors(model), full_tensors(model, grads=True)
+        if self.manager.is_writer:
+            torch.save({"params": params, "grads": grads},
+                       f"{self.job_config.job.dump_folder}/grads_step{self.step}.pt")
+
+    def close(self) -> None:
+        super().close()  # checkpointer; metrics processor: final parameters, summary.json
+        if getattr(self, "manager", None) is not None:
+            self.manager.close()  # ledger, then the world's last fault-tolerant agreement

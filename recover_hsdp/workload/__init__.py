@@ -1,0 +1,12 @@
+"""Layer 3: the versatile workload (plain Python: imports nothing of the package, no MPI, no torch).
+
+  policy.py  roles, quotas, G and boundary steps; keeps sum of committed quotas == B
+  ledger.py  the commit ledger (what each committed step summed), writer and reader
+  replay.py  the paper's 32 x 8 example replayed (``python -m recover_hsdp.workload --replay-paper``)
+"""
+
+from recover_hsdp.workload.policy import (DataAssignment, GRaise, ReplicaAssignment, Role,
+                                          StepPlan, WorkloadPolicy, validate_workload_fields)
+
+__all__ = ["DataAssignment", "GRaise", "ReplicaAssignment", "Role", "StepPlan", "WorkloadPolicy",
+           "validate_workload_fields"]

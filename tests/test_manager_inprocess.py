@@ -1,0 +1,196 @@
+"""The step protocol (``RecoverManager``) in-process: R replicas x S ranks on threads over the fake
+world (tests/fakes.py), a real ``BucketSync``, a real ``WorkloadPolicy``, a real ledger, and the real
+fault specs (``FaultInjector`` whose "death" is the fake's kill). The model is a stand-in whose
+gradient for dataset microbatch ``d`` in unit ``u`` on shard ``s`` is the integer vector
+``grad_of(d, u, s)``, so every committed gradient is checked EXACTLY against an oracle: the sum of
+``grad_of`` over the data ids the ledger says were committed.
+
+What a job adds on top (processes, MPI, FSDP, TorchTitan) is covered by the real-kill tests.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fakes import FakeHub, FakeUnit, Killed, run_ranks, values_of
+from recover_hsdp.faults import FaultInjector, FaultSpec
+from recover_hsdp.manager import RecoverManager
+from recover_hsdp.outputs import RunMetrics
+from recover_hsdp.recovery import BucketSync
+from recover_hsdp.workload import WorkloadPolicy
+from recover_hsdp.workload.ledger import read_ledger
+
+UNITS, WIDTH, TOKENS = 3, 4, 8
+
+
+def grad_of(data_id: int, unit: int, shard: int) -> torch.Tensor:
+    """The stand-in model's gradient of one microbatch (small integers: sums are exact)."""
+    base = torch.arange(WIDTH, dtype=torch.float32)
+    return (data_id + 1) * (unit + 1) + 10 * shard + base
+
+
+class FakeFaults(FaultInjector):
+    """The real fault specs and matching; firing kills the rank in the fake world."""
+
+    def __init__(self, specs, hub: FakeHub, replica: int, shard: int, out_dir):
+        super().__init__([FaultSpec.parse(s) for s in specs], replica, shard, out_dir)
+        self.hub = hub
+
+    def _fire(self, spec) -> None:
+        self.hub.kill(self.replica, self.shard)
+
+
+class StandInWork:
+    """``StepWork`` of one rank: FSDP-like accumulation with sync on the last microbatch."""
+
+    def __init__(self, shard: int, units: list[FakeUnit], errors: dict[int, str] | None = None):
+        self.shard, self.units = shard, units
+        self.sync = True
+        self.acc = [torch.zeros(WIDTH) for _ in units]
+        self.grads: list[torch.Tensor | None] = [None] * len(units)
+        self.applied: list[list[torch.Tensor]] = []
+        self.errors = errors or {}
+        self.step = 0
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        self.sync = enabled
+
+    def forward_backward(self, data_id, nominal_tokens, before_backward):
+        if self.step in self.errors:
+            raise RuntimeError(self.errors.pop(self.step))
+        before_backward()
+        for unit in range(len(self.units)):
+            self.acc[unit] += grad_of(data_id, unit, self.shard)
+        if self.sync:  # FSDP: hooks in reverse unit order; .grad is a view of the first bucket
+            for unit in reversed(range(len(self.units))):
+                bucket, self.acc[unit] = self.acc[unit], torch.zeros(WIDTH)
+                self.units[unit].sync(bucket)
+                if self.grads[unit] is None:
+                    self.grads[unit] = bucket
+                else:
+                    self.grads[unit] += bucket
+        return float(data_id), TOKENS
+
+    def apply_update(self, grad_scale: float) -> float:
+        self.applied.append([g.clone() * grad_scale for g in self.grads])
+        self.grads = [None] * len(self.units)
+        return 0.0
+
+
+def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", keep_spares=True,
+            errors=None):
+    """Run ``steps`` steps on every rank; returns (hub, {(r, s): StandInWork or exception})."""
+    hub = FakeHub(replicas, shards)
+    errors = errors or {}
+
+    def rank(world):
+        units = [FakeUnit(f"u{i}") for i in range(UNITS)]
+        sync = BucketSync(units, world)
+        policy = WorkloadPolicy(initial_replicas=replicas, microbatches_per_replica=g,
+                                keep_spares=keep_spares, data_assignment=mode)
+        outputs = RunMetrics(tmp_path, is_writer=world.world_rank == 0, mode="recover")
+        manager = RecoverManager(
+            world=world, bucket_sync=sync, policy=policy,
+            faults=FakeFaults(faults, hub, world.replica, world.shard, tmp_path),
+            outputs=outputs, out_dir=tmp_path, tokens_per_microbatch=TOKENS * shards)
+        work = StandInWork(world.shard, units, errors.get((world.replica, world.shard)))
+        for step in range(1, steps + 1):
+            work.step = step
+            manager.step(step, work)
+        manager.close()
+        return work
+
+    return hub, run_ranks(hub, rank)
+
+
+def oracle(entry, shard: int, initial_replicas: int) -> list[torch.Tensor]:
+    """The step's gradient recomputed from the ledger's committed microbatch ids."""
+    total = [torch.zeros(WIDTH) for _ in range(UNITS)]
+    for replica, ids in entry.committed.items():
+        for mb in ids:
+            data_id = mb if entry.mode == "exact" else mb * initial_replicas + replica
+            for unit in range(UNITS):
+                total[unit] += grad_of(data_id, unit, shard)
+    return total
+
+
+def check_against_oracle(tmp_path, works, replicas, steps, b):
+    ledger = read_ledger(tmp_path / "ledger.jsonl")
+    assert [e.step for e in ledger] == list(range(steps))  # policy steps are 0-based
+    for entry in ledger:
+        assert entry.committed_total == b
+    for (replica, shard), work in works.items():
+        assert len(work.applied) == steps
+        for entry, applied in zip(ledger, work.applied):
+            expected = oracle(entry, shard, replicas)
+            for unit in range(UNITS):
+                assert torch.equal(applied[unit], expected[unit]), (replica, entry.step, unit)
+    return ledger
+
+
+@pytest.mark.parametrize("bucket", [0, 1, UNITS - 1, UNITS])
+def test_contributing_victim_after_k_of_n_buckets(tmp_path, bucket):
+    """4x1, G=1: replica 1 dies after ``bucket`` of the step's buckets were reduced; replica 2
+    dies in backward two steps later. Every survivor applies exactly the oracle's gradient."""
+    faults = [f"replica=1,step=2,phase=grad_sync,bucket={bucket}",
+              "replica=2,step=4,phase=backward"]
+    hub, results = run_job(tmp_path, replicas=4, g=1, steps=5, faults=faults)
+    works = values_of(results, killed=[(1, 0), (2, 0)])
+    assert sorted(works) == [(0, 0), (3, 0)]
+    ledger = check_against_oracle(tmp_path, works, 4, 5, b=4)
+    assert [len(e.alive) for e in ledger] == [4, 3, 3, 2, 2]
+    assert hub.epoch == 2
+
+
+def test_spare_promoted_in_exact_mode_needs_no_extra_compute(tmp_path):
+    """4 replicas, B = 4: after one loss G = 2 and one replica is a spare shadowing a
+    contributor; when that contributor dies the spare is promoted and covers its ids."""
+    hub, results = run_job(tmp_path, replicas=4, g=1, steps=4,
+                           faults=["replica=3,step=1,phase=backward",
+                                   "replica=0,step=3,phase=grad_sync,bucket=1"])
+    works = values_of(results, killed=[(3, 0), (0, 0)])
+    ledger = check_against_oracle(tmp_path, works, 4, 4, b=4)
+    step3 = json.loads((tmp_path / "ledger.jsonl").read_text().splitlines()[2])
+    assert [r for r, w in step3["replicas"].items() if w["promoted"]], step3
+    assert not any(ledger[2].extra.values())
+
+
+@pytest.mark.parametrize("mode", ["exact", "stream"])
+def test_second_death_during_rereduce(tmp_path, mode):
+    """A survivor dies while the buckets of the first failure are reduced again."""
+    faults = ["replica=1,step=2,phase=grad_sync,bucket=1",
+              "replica=2,step=2,phase=rereduce,bucket=1"]
+    hub, results = run_job(tmp_path, replicas=4, g=2, steps=3, faults=faults, mode=mode)
+    works = values_of(results, killed=[(1, 0), (2, 0)])
+    check_against_oracle(tmp_path, works, 4, 3, b=8)
+    assert hub.epoch == 2
+
+
+def test_one_rank_of_a_replica_dies_and_the_replica_leaves_as_a_unit(tmp_path):
+    """2 ranks per replica: shard 1 of replica 1 dies; shard 0 of it retires at the consensus."""
+    hub, results = run_job(tmp_path, replicas=3, g=1, steps=3, shards=2,
+                           faults=["replica=1,step=2,phase=grad_sync,bucket=2,rank=1"])
+    works = values_of(results, killed=[(1, 1)], retired=[(1, 0)])
+    check_against_oracle(tmp_path, works, 3, 3, b=3)
+
+
+def test_writer_dies_and_the_next_one_writes_everything(tmp_path):
+    """Rank 0 (the writer) dies after step 2's commit: the ledger and metrics stay complete."""
+    hub, results = run_job(tmp_path, replicas=3, g=1, steps=4,
+                           faults=["replica=0,step=3,phase=forward"])
+    works = values_of(results, killed=[(0, 0)])
+    check_against_oracle(tmp_path, works, 3, 4, b=3)
+    events = (tmp_path / "events.jsonl").read_text().splitlines()
+    assert len(events) == 1 and '"dead_replicas": [0]' in events[0]
+
+
+def test_clean_run_matches_the_failure_free_sum(tmp_path):
+    hub, results = run_job(tmp_path, replicas=2, g=3, steps=3)
+    works = values_of(results)
+    check_against_oracle(tmp_path, works, 2, 3, b=6)
+    assert hub.epoch == 0
+    assert all(np.isfinite(w.applied[-1][0].numpy()).all() for w in works.values())
