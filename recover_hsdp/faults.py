@@ -1,7 +1,9 @@
 """Real failure injection: a rank or a whole replica really dies (SIGKILL / exit) or hangs.
 
 Faults come from ``[recover.faults]`` (``inject``: specs separated by ";") or the launcher's
-repeatable ``--fault replica=R,step=N,phase=P[,rank=K][,mode=sigkill|exit|hang][,bucket=B]``,
+repeatable ``--fault replica=R,step=N,phase=P[,rank=K][,mode=M][,bucket=B][,at=A]`` (M in
+sigkill|exit|hang|stop|raise; A, for phase=consensus only, where inside the consensus: consensus
+(before the agreement, the default), shrink, rebuild, agree-membership),
 plus an optional paper-like schedule: one failure every ``every`` steps at a seeded random step
 inside each interval, until ``max_failures`` replicas are lost. Every rank expands the same
 schedule, so no messages are needed.
@@ -36,12 +38,27 @@ class Phase(str, enum.Enum):
     CONSENSUS = "consensus"
     REREDUCE = "rereduce"
     OPTIMIZER = "optimizer"
+    CHECKPOINT = "checkpoint"  # inside a DCP checkpoint save (the saving replica)
+    FINISH = "finish"          # after the last step, while the writer writes the run's outputs
 
 
 class Mode(str, enum.Enum):
-    SIGKILL = "sigkill"
-    EXIT = "exit"
-    HANG = "hang"
+    SIGKILL = "sigkill"  # the process dies at once (SIGKILL)
+    EXIT = "exit"        # the process exits (os._exit(17)), no MPI_Finalize
+    HANG = "hang"        # the main thread sleeps forever; other threads run (the watchdog)
+    STOP = "stop"        # SIGSTOP to itself: every thread frozen, sockets stay open (a hung node)
+    RAISE = "raise"      # a RuntimeError at that point (what a CUDA OOM looks like)
+
+
+class ConsensusPoint(str, enum.Enum):
+    """Where inside the consensus a ``phase=consensus`` fault fires (the collectives layer's
+    ``on_phase`` hook): before the agreement, or inside a repair (shrink, rebuild of the
+    communicators, agreement on the new membership)."""
+
+    AGREE = "consensus"
+    SHRINK = "shrink"
+    REBUILD = "rebuild"
+    MEMBERSHIP = "agree-membership"
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,7 @@ class FaultSpec:
     rank: int | None = None
     mode: Mode = Mode.SIGKILL
     bucket: int = 0
+    point: ConsensusPoint = ConsensusPoint.AGREE
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
@@ -64,15 +82,21 @@ class FaultSpec:
                        phase=Phase(fields.pop("phase", "grad_sync")),
                        rank=int(fields["rank"]) if "rank" in fields else None,
                        mode=Mode(fields.pop("mode", "sigkill")),
-                       bucket=int(fields.pop("bucket", 0)))
+                       bucket=int(fields.pop("bucket", 0)),
+                       point=ConsensusPoint(fields.pop("at", "consensus")))
             fields.pop("rank", None)
         except (KeyError, ValueError) as err:
             raise ConfigError(
                 f"--fault {text!r}: {err}: expected replica=R,step=N,phase="
-                f"{'|'.join(p.value for p in Phase)}[,rank=K][,mode=sigkill|exit|hang]"
-                "[,bucket=B]") from None
+                f"{'|'.join(p.value for p in Phase)}[,rank=K][,mode="
+                f"{'|'.join(m.value for m in Mode)}][,bucket=B][,at="
+                f"{'|'.join(c.value for c in ConsensusPoint)}]") from None
         if fields:
             raise ConfigError(f"--fault {text!r}: unknown key {sorted(fields)[0]!r}")
+        if spec.mode is Mode.RAISE and spec.phase is Phase.CONSENSUS:
+            raise ConfigError(f"--fault {text!r}: mode=raise cannot fire inside the consensus (an "
+                              "exception there is not a replica-local error); use sigkill, exit, "
+                              "hang or stop, or another phase")
         return spec
 
 
@@ -99,9 +123,11 @@ class FaultInjector:
         self.out_dir = Path(out_dir)
 
     def at(self, step: int, phase: Phase, bucket: int | None = None,
-           buckets_total: int | None = None) -> None:
+           buckets_total: int | None = None, point: ConsensusPoint | None = None) -> None:
         for spec in self.mine:
             if spec.step != step or spec.phase != phase:
+                continue
+            if phase is Phase.CONSENSUS and spec.point is not point:
                 continue
             if bucket is not None and spec.bucket != bucket and not (
                     buckets_total is not None and bucket >= buckets_total
@@ -124,6 +150,12 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if spec.mode is Mode.EXIT:
             os._exit(17)
+        if spec.mode is Mode.STOP:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return  # continued (SIGCONT): carry on as a slow rank would
+        if spec.mode is Mode.RAISE:
+            raise RuntimeError(f"injected fault at step {spec.step} {spec.phase.value} "
+                               f"(replica {self.replica} shard {self.shard})")
         while True:  # HANG: alive but stuck; the hang watchdog must kill this rank
             time.sleep(3600)
 

@@ -9,10 +9,32 @@ what the old writer did not get to write (:func:`backfill_jsonl`): nothing is lo
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+
+#: Files a run writes into its output folder (checkpoints live in their own subfolder).
+RUN_FILES = ("metrics.jsonl", "events.jsonl", "ledger.jsonl", "faults_fired.jsonl", "summary.json",
+             "final_params.pt", "procs.json")
+
+
+def clear_run_files(out_dir: str | Path) -> list[str]:
+    """Remove an earlier run's files from ``out_dir`` so a new run never mixes with them
+    (checkpoints are kept: a restart loads them). Returns the names removed."""
+    out_dir = Path(out_dir)
+    removed = []
+    for path in [*(out_dir / n for n in RUN_FILES), *out_dir.glob("grads_step*.pt")]:
+        if path.exists():
+            path.unlink()
+            removed.append(path.name)
+    for folder in ("membership", "errors"):  # the arbiter's claims, replica-local errors
+        if (out_dir / folder).is_dir():
+            shutil.rmtree(out_dir / folder)
+            removed.append(f"{folder}/")
+    return removed
 
 
 def backfill_jsonl(path: Path, records: list[dict[str, Any]], key) -> None:

@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:  # launched by mpirun: one rank per device
         os.environ.setdefault("LOCAL_RANK", os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
+        # MPI_Init first, before the seconds of torch imports: the heartbeat detector
+        # (recover.detect_timeout_s) then runs on every rank from the start, and start-up skew
+        # between ranks stays small.
+        import recover_hsdp.collectives.world  # noqa: F401
     try:
         config_file = _config_file(argv)
         if config_file is not None:

@@ -33,3 +33,18 @@ def local_corpus() -> Path:
     from recover_hsdp.titan.data import ensure_local_corpus
 
     return ensure_local_corpus(CACHE)
+
+
+@pytest.fixture(scope="session")
+def failure_free(tmp_path_factory, local_corpus) -> dict[str, list[dict]]:
+    """Failure-free 4 x 1 debug runs (10 steps, hang_timeout 10), exact and stream: the
+    reference trajectories of the end-to-end and real-failure tests."""
+    out = tmp_path_factory.mktemp("ref")
+    runs = {}
+    for mode in ("exact", "stream"):
+        result = run_cli(["train", "--config", str(DEBUG_CONFIG), "--replicas", "4", "--out",
+                          str(out / mode), "--", "--recover.hang_timeout_s", "10",
+                          "--recover.data_assignment", mode], timeout=300)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+        runs[mode] = read_jsonl(out / mode / "metrics.jsonl")
+    return runs

@@ -163,6 +163,7 @@ class FakeWorld:
         self.world_rank = replica * hub.layout.ranks_per_replica + shard
         self.layout = hub.layout
         self.retired = False
+        self.on_phase = None  # as FaultTolerantWorld.on_phase: called with "consensus"
         self.closed = False
         self.calls: Counter[str] = Counter()
         self._epoch = 0
@@ -271,7 +272,7 @@ class FakeWorld:
             return None
 
     # -- agreement --------------------------------------------------------------------------------
-    def _agree(self, kind: str, flag: bool) -> tuple:
+    def _agree(self, kind: str, flag: Any) -> Any:
         hub = self.hub
         with hub._cond:
             self._count(kind)
@@ -298,6 +299,8 @@ class FakeWorld:
         started = time.monotonic()
         if not ok:
             self.fail_epoch("caller reported a failed epoch")
+        if self.on_phase is not None:
+            self.on_phase("consensus")
         clean, epoch, dead, alive, decided = self._agree("consensus", self._failed_at is None)
         if clean:
             return ConsensusResult(True, epoch, frozenset(), alive, False)

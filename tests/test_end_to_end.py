@@ -25,13 +25,6 @@ def _train(out, *extra_args, faults=(), replicas=4, hang_timeout=10):
     return result, read_jsonl(out / "metrics.jsonl")
 
 
-@pytest.fixture(scope="module")
-def failure_free(tmp_path_factory, local_corpus):
-    out = tmp_path_factory.mktemp("ref")
-    return {mode: _train(out / mode, "--recover.data_assignment", mode)[1]
-            for mode in ("exact", "stream")}
-
-
 def _assert_b_every_step(steps, final_alive):
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert all(s["committed_microbatches"] == B for s in steps)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fakes import FakeHub, FakeUnit, Killed, run_ranks, values_of
-from recover_hsdp.faults import FaultInjector, FaultSpec
+from recover_hsdp.faults import FaultInjector, FaultSpec, Mode
 from recover_hsdp.manager import RecoverManager
 from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.recovery import BucketSync
@@ -41,19 +41,24 @@ class FakeFaults(FaultInjector):
         self.hub = hub
 
     def _fire(self, spec) -> None:
+        if spec.mode is Mode.RAISE:
+            super()._fire(spec)  # the real RuntimeError
         self.hub.kill(self.replica, self.shard)
 
 
 class StandInWork:
     """``StepWork`` of one rank: FSDP-like accumulation with sync on the last microbatch."""
 
-    def __init__(self, shard: int, units: list[FakeUnit], errors: dict[int, str] | None = None):
-        self.shard, self.units = shard, units
+    def __init__(self, world, units: list[FakeUnit], errors: dict[int, str] | None = None,
+                 update_errors: dict[int, str] | None = None, transient: set[int] = frozenset()):
+        self.world, self.shard, self.units = world, world.shard, units
         self.sync = True
         self.acc = [torch.zeros(WIDTH) for _ in units]
         self.grads: list[torch.Tensor | None] = [None] * len(units)
         self.applied: list[list[torch.Tensor]] = []
         self.errors = errors or {}
+        self.update_errors = update_errors or {}
+        self.transient = set(transient)
         self.step = 0
 
     def set_gradient_sync(self, enabled: bool) -> None:
@@ -62,6 +67,9 @@ class StandInWork:
     def forward_backward(self, data_id, nominal_tokens, before_backward):
         if self.step in self.errors:
             raise RuntimeError(self.errors.pop(self.step))
+        if self.step in self.transient:  # an MPI-level failure in which nobody dies
+            self.transient.discard(self.step)
+            self.world.fail_epoch("transient failure (test)")
         before_backward()
         for unit in range(len(self.units)):
             self.acc[unit] += grad_of(data_id, unit, self.shard)
@@ -76,16 +84,18 @@ class StandInWork:
         return float(data_id), TOKENS
 
     def apply_update(self, grad_scale: float) -> float:
+        if self.step in self.update_errors:
+            raise RuntimeError(self.update_errors.pop(self.step))
         self.applied.append([g.clone() * grad_scale for g in self.grads])
         self.grads = [None] * len(self.units)
         return 0.0
 
 
 def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", keep_spares=True,
-            errors=None):
+            errors=None, update_errors=None, transient=None):
     """Run ``steps`` steps on every rank; returns (hub, {(r, s): StandInWork or exception})."""
     hub = FakeHub(replicas, shards)
-    errors = errors or {}
+    errors, update_errors, transient = errors or {}, update_errors or {}, transient or {}
 
     def rank(world):
         units = [FakeUnit(f"u{i}") for i in range(UNITS)]
@@ -96,12 +106,16 @@ def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", kee
         manager = RecoverManager(
             world=world, bucket_sync=sync, policy=policy,
             faults=FakeFaults(faults, hub, world.replica, world.shard, tmp_path),
-            outputs=outputs, out_dir=tmp_path, tokens_per_microbatch=TOKENS * shards)
-        work = StandInWork(world.shard, units, errors.get((world.replica, world.shard)))
+            outputs=outputs, out_dir=tmp_path, tokens_per_microbatch=TOKENS * shards,
+            die=lambda: hub.kill(world.replica, world.shard))
+        key = (world.replica, world.shard)
+        work = StandInWork(world, units, errors.get(key), update_errors.get(key),
+                           transient.get(key, set()))
         for step in range(1, steps + 1):
             work.step = step
-            manager.step(step, work)
-        manager.close()
+            record = manager.step(step, work)
+            outputs.log_step({**record, "step_time_s": 0.0})  # what the trainer adds, then logs
+        manager.finish_run(lambda: outputs.write_summary({"writer": list(key)}))
         return work
 
     return hub, run_ranks(hub, rank)
@@ -186,6 +200,8 @@ def test_writer_dies_and_the_next_one_writes_everything(tmp_path):
     check_against_oracle(tmp_path, works, 3, 4, b=3)
     events = (tmp_path / "events.jsonl").read_text().splitlines()
     assert len(events) == 1 and '"dead_replicas": [0]' in events[0]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
 
 
 def test_clean_run_matches_the_failure_free_sum(tmp_path):
@@ -194,3 +210,73 @@ def test_clean_run_matches_the_failure_free_sum(tmp_path):
     check_against_oracle(tmp_path, works, 2, 3, b=6)
     assert hub.epoch == 0
     assert all(np.isfinite(w.applied[-1][0].numpy()).all() for w in works.values())
+
+
+def _events(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+
+
+def test_error_inside_a_replica_makes_it_leave_and_the_others_continue(tmp_path):
+    """An exception in replica 1's forward at step 2 (what an OOM raises): replica 1 leaves (its
+    rank ends, [Note: replica-local errors]) with the error text in events.jsonl, the survivors
+    commit B every step."""
+    hub, results = run_job(tmp_path, replicas=3, g=2, steps=4,
+                           errors={(1, 0): {2: "CUDA out of memory (test)"}})
+    works = values_of(results, killed=[(1, 0)])
+    check_against_oracle(tmp_path, works, 3, 4, b=6)
+    (event,) = _events(tmp_path)
+    assert event["dead_replicas"] == [1] and event["step"] == 2
+    assert "RuntimeError: CUDA out of memory (test)" in event["errors"]["1"][0]
+
+
+def test_error_in_one_rank_takes_its_whole_replica_out(tmp_path):
+    """S = 2: shard 1 of replica 1 raises; its peer (no error of its own) retires with it."""
+    hub, results = run_job(tmp_path, replicas=3, g=1, steps=3, shards=2,
+                           errors={(1, 1): {2: "boom"}})
+    works = values_of(results, killed=[(1, 1)], retired=[(1, 0)])
+    check_against_oracle(tmp_path, works, 3, 3, b=3)
+    assert _events(tmp_path)[0]["errors"] == {"1": ["rank 3 step 2: RuntimeError: boom"]}
+
+
+def test_injected_raise_inside_the_all_reduce_hook(tmp_path):
+    """``mode=raise`` at grad_sync after 1 bucket: the hook never raises, the replica leaves."""
+    hub, results = run_job(tmp_path, replicas=3, g=1, steps=3,
+                           faults=["replica=2,step=2,phase=grad_sync,bucket=1,mode=raise"])
+    works = values_of(results, killed=[(2, 0)])
+    check_against_oracle(tmp_path, works, 3, 3, b=3)
+    assert "all-reduce hook: RuntimeError: injected fault" in _events(tmp_path)[0]["errors"]["2"][0]
+
+
+def test_optimizer_error_leaves_at_once(tmp_path):
+    """The update of replica 1 fails after step 2 was committed: the replica leaves at once and
+    never contributes its diverged state; step 3 is the failure step of the others."""
+    hub, results = run_job(tmp_path, replicas=3, g=1, steps=4,
+                           update_errors={(1, 0): {2: "optimizer OOM (test)"}})
+    works = values_of(results, killed=[(1, 0)])
+    check_against_oracle(tmp_path, works, 3, 4, b=3)
+    (event,) = _events(tmp_path)
+    assert event["step"] == 3 and "optimizer OOM (test)" in event["errors"]["1"][0]
+
+
+def test_failed_epoch_without_deaths_is_redone(tmp_path):
+    """A failure in which nobody dies: the step is reduced again with the same plan."""
+    hub, results = run_job(tmp_path, replicas=3, g=2, steps=3, transient={(2, 0): {2}})
+    works = values_of(results)
+    check_against_oracle(tmp_path, works, 3, 3, b=6)
+    (event,) = _events(tmp_path)
+    assert event["dead_replicas"] == [] and event["errors"] == {} and hub.epoch == 1
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_death_during_the_end_of_run_still_writes_every_output(tmp_path, victim):
+    """The writer (replica 0) or another replica dies while the run's last outputs are written
+    (after the last step's commit): the next writer writes the summary and the survivors end."""
+    hub, results = run_job(tmp_path, replicas=3, g=1, steps=3,
+                           faults=[f"replica={victim},step=3,phase=finish"] if victim == 0 else
+                           ["replica=1,step=3,phase=forward"])
+    works = values_of(results, killed=[(victim, 0)])
+    check_against_oracle(tmp_path, works, 3, 3, b=3)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["writer"] == [1 if victim == 0 else 0, 0]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]

@@ -17,10 +17,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from recover_hsdp.config import ConfigError, check_batch_sizes, load_toml, validate
-from recover_hsdp.collectives.mpirun import check_ulfm_mpirun, default_mpirun, mpirun_prefix
+from recover_hsdp.outputs import clear_run_files
+from recover_hsdp.collectives.mpirun import (check_ulfm_mpirun, default_mpirun,
+                                             heartbeat_detector_args, mpirun_prefix)
+from recover_hsdp.collectives.processes import kill_local, read_registry
 
 
 def _tool(name: str) -> str | None:
@@ -111,8 +115,59 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
         launcher = [torchrun, "--standalone", "--nproc_per_node", str(ranks)]
     else:
         threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        launcher = [*mpirun_prefix(ranks, mpirun=resolve_mpirun(), env=threads), sys.executable]
+        extra = [*heartbeat_detector_args(job.recover.detect_timeout_s), *args.mpi_arg]
+        if args.hostfile:
+            extra += ["--hostfile", str(args.hostfile)]
+        launcher = [*mpirun_prefix(ranks, mpirun=resolve_mpirun(), env=threads, extra=extra),
+                    sys.executable]
     return [*launcher, "-m", "recover_hsdp.train", *train], out
+
+
+def supervise(command: list[str], env: dict, out: Path, end_grace_s: float) -> int:
+    """Run the job and make sure it ends: [Note: nothing left behind]
+    (``recover_hsdp.collectives.processes``). mpirun waits for every process it started, also one
+    the world excluded because it froze or was cut off. So once the run's summary is written
+    mpirun gets ``end_grace_s`` to return; and if every process of the job is on this host and
+    none can make progress any more (all gone or stopped), nothing will come: in both cases the
+    launcher ends mpirun (SIGTERM, then SIGKILL after 5 s) and any registered process of the job
+    still alive on this host. Returns mpirun's exit code (negative: ended by a signal)."""
+    started = time.time()
+    summary = out / "summary.json"
+    proc = subprocess.Popen(command, env=env)
+    written_at = None
+    while True:
+        try:
+            returncode = proc.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if written_at is None and summary.exists() and summary.stat().st_mtime >= started:
+            written_at = time.monotonic()
+        overdue = written_at is not None and time.monotonic() - written_at > end_grace_s
+        if overdue or _no_progress_possible(out):
+            reason = ("the run ended but mpirun kept waiting (an excluded process?)" if overdue
+                      else "every process of the job has exited or is stopped")
+            print(f"recover-hsdp: {reason}: ending mpirun", file=sys.stderr, flush=True)
+            proc.terminate()
+            try:
+                returncode = proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                returncode = proc.wait()
+            break
+    leftovers = kill_local(read_registry(out))
+    if leftovers:
+        print(f"recover-hsdp: ended processes of the job left on this host: {leftovers}",
+              file=sys.stderr, flush=True)
+    return returncode
+
+
+def _no_progress_possible(out: Path) -> bool:
+    procs = read_registry(out)
+    if not procs or not all(p.is_local() for p in procs):
+        return False  # other hosts may still be working
+    states = [p.state() for p in procs]
+    return "T" in states and all(state in (None, "Z", "T", "t") for state in states)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,7 +182,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default=None, help="output directory (default outputs/<config>)")
     train.add_argument("--fault", action="append", default=[], metavar="SPEC",
                        help="inject a real failure: replica=R,step=N,phase=P[,rank=K]"
-                            "[,mode=sigkill|exit|hang][,bucket=B] (repeatable)")
+                            "[,mode=sigkill|exit|hang|stop|raise][,bucket=B][,at=POINT] (repeatable)")
+    train.add_argument("--hostfile", default=None,
+                       help="mpirun hostfile (multi-node; one rank per device)")
+    train.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
+                       help="one more mpirun argument, e.g. --mpi-arg=--prtemca "
+                            "--mpi-arg=plm_ssh_agent --mpi-arg=AGENT (repeatable)")
+    train.add_argument("--end-grace", type=float, default=20.0, metavar="SECONDS",
+                       help="after the run's summary is written, how long mpirun may take to "
+                            "return before the launcher ends it (default 20)")
     train.add_argument("overrides", nargs="*", help="after --: torchtitan overrides")
     demo = sub.add_parser("demo", help="the failure demo: a failure-free reference run, then the "
                                        "same job with replicas SIGKILLed during the gradient sync")
@@ -149,10 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recover-hsdp: error: {err}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").unlink(missing_ok=True)
+    removed = clear_run_files(out)  # an earlier run's outputs never mix with this one's
+    if removed:
+        print(f"recover-hsdp: {out}: removed the earlier run's {', '.join(removed)}", flush=True)
     print("+ " + " ".join(command), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    returncode = subprocess.run(command, env=env).returncode
+    returncode = supervise(command, env, out, args.end_grace)
     summary_path = out / "summary.json"
     # [Note: mpirun exit code] With --with-ft ulfm, mpirun exits 0 even when ranks died, so
     # success is judged on the job's own outputs.

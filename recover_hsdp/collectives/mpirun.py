@@ -4,6 +4,9 @@ Every fault-tolerant job of this project (the trainer, the tests, the benchmarks
 ``mpirun_prefix()`` so that the launch flags measured in docs/ULFM_NOTES.md live in one place:
 
 * ``--with-ft ulfm``: survivors keep running when a rank dies (without it mpirun kills the job).
+* ``--runtime-options error-nonzero-status=false``: a rank that exits with a non-zero status (an
+  uncaught exception) is a failure ULFM handles, not a reason to end the job: without it PRRTE
+  3.0 tolerated the first such rank and ended mpirun at the second (survivors orphaned).
 * ``--mca pml ob1 --mca btl tcp,self``: ``btl sm`` hangs when a rank dies.
 * ``--mca btl_tcp_flags send,inplace,need-ack,need-csum``: no RDMA put. The default flags gave a tcp
   self-deadlock after a death in 7/18 runs and false "reported dead" aborts of live ranks.
@@ -24,23 +27,29 @@ from collections.abc import Mapping, Sequence
 
 ULFM_MCA: tuple[str, ...] = (
     "--with-ft", "ulfm",
+    "--runtime-options", "error-nonzero-status=false",
     "--mca", "pml", "ob1",
     "--mca", "btl", "tcp,self",
     "--mca", "btl_tcp_flags", "send,inplace,need-ack,need-csum",
 )
 
 
-def heartbeat_detector_args(period_s: float = 0.5, timeout_s: float = 2.0) -> list[str]:
-    """MCA flags of PRRTE/Open MPI's heartbeat failure detector (optional, not the default).
+def heartbeat_detector_args(timeout_s: float = 4.0) -> list[str]:
+    """MCA flags of Open MPI's heartbeat failure detector, on its own thread (``recover.detect_timeout_s``).
 
-    It declares a rank dead when its heartbeats stop for ``timeout_s``. Measured caveat: without its own
-    progress thread it also kills ranks that compute longer than ``timeout_s`` without calling MPI, and
-    with the thread it cannot see a stuck main thread. The application watchdog in
-    ``recover_hsdp.collectives.guard`` (``Deadlines.hang_timeout_s``) is the recommended hang detector.
+    Each rank beats to a neighbour every ``timeout_s / 4`` seconds; one silent for ``timeout_s`` is
+    declared dead, so a frozen process or a host lost without a connection reset becomes an ordinary
+    ULFM failure. Measured (docs/ULFM_NOTES.md, benchmarks/README.md): SIGSTOPped rank found in
+    3.1-3.8 s at 4 s and 1.7-2.0 s at 2 s; the detector thread beats while the main thread holds the
+    GIL (no false positive with 60 s of pure-Python compute); no measurable failure-free cost. A stuck
+    main thread of a live process is NOT seen (its detector thread still beats): that is the hang
+    watchdog's job (``recover_hsdp.collectives.guard``). Empty for ``timeout_s <= 0``.
     """
-    return ["--mca", "mpi_ft_detector", "true",
-            "--mca", "mpi_ft_detector_period", str(period_s),
-            "--mca", "mpi_ft_detector_timeout", str(timeout_s)]
+    if timeout_s <= 0:
+        return []
+    return ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
+            "--mca", "mpi_ft_detector_period", f"{timeout_s / 4:g}",
+            "--mca", "mpi_ft_detector_timeout", f"{timeout_s:g}"]
 
 
 def default_mpirun() -> str:

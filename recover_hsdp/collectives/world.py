@@ -80,6 +80,9 @@ class FaultTolerantWorld:
             It is ``Dup()``ed; every communicator of this object has ``MPI.ERRORS_RETURN``.
         ranks_per_replica: S, the FSDP ranks of one replica; must divide the size of ``comm``.
         deadlines: Time bounds (``Deadlines``); create the world on the main thread.
+        arbiter_dir: A folder every rank sees (the job's output folder on a shared file system): after a
+            repair one rank of each side creates a claim there, and only the side that created it goes
+            on ([Note: split brain]). ``None``: no arbiter (every side goes on).
         on_phase: Optional callback ``on_phase(name)`` invoked on the main thread right before each
             step of ``consensus`` ("consensus", "shrink", "rebuild", "agree-membership"): metrics,
             tracing, fault injection in tests.
@@ -91,7 +94,8 @@ class FaultTolerantWorld:
 
     def __init__(self, comm: MPI.Comm | None = None, ranks_per_replica: int = 1,
                  deadlines: Deadlines | None = None, *,
-                 on_phase: Callable[[str], None] | None = None) -> None:
+                 on_phase: Callable[[str], None] | None = None,
+                 arbiter_dir: str | os.PathLike | None = None) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
         size = comm.Get_size()
         if not isinstance(ranks_per_replica, int) or ranks_per_replica < 1 or size % ranks_per_replica:
@@ -101,7 +105,9 @@ class FaultTolerantWorld:
             raise RuntimeError("MPI was initialised with THREAD_MULTIPLE: import recover_hsdp.collectives "
                                "before mpi4py.MPI (or set mpi4py.rc.thread_level = 'serialized')")
         self.deadlines = deadlines if deadlines is not None else Deadlines()
-        self._on_phase = on_phase
+        self.arbiter_dir = None if arbiter_dir is None else os.fspath(arbiter_dir)
+        self.claim_delay_s = 10.0  # a minority side's head start for the majority (< repair_s)
+        self.on_phase = on_phase  # public: the manager installs its fault points here
         self.world_rank = comm.Get_rank()
         self.replica, self.shard = divmod(self.world_rank, ranks_per_replica)
         self._guard = MpiGuard(self.deadlines, name=f"world rank {self.world_rank}")
@@ -256,11 +262,20 @@ class FaultTolerantWorld:
             self._graveyard.append(shrunk)
             members = set(self._members(shrunk))
             complete = tuple(r for r in old_alive if members.issuperset(self.layout.ranks_of(r)))
-            mine = self.replica in complete
             self._phase("rebuild")
             new_global = new_shard = None
             built = True
             try:
+                # Whether this side holds the arbiter's claim ([Note: split brain]; its first rank
+                # made it): one small broadcast.
+                claim = self._claim(members, old_alive) if shrunk.Get_rank() == 0 else None
+                with self._guard.call("bcast(claim)", self.deadlines.repair_s):
+                    claim = shrunk.bcast(claim, root=0)
+                if not claim:
+                    log_line(f"rank {self.world_rank}: another side of a partition holds the claim "
+                             f"for epoch {self.epoch}: this side ({sorted(members)}) stops")
+                    complete = ()
+                mine = self.replica in complete
                 # Both Splits are collectives over `shrunk`, so one revoke of `shrunk` releases every
                 # rank still inside them when any rank fails here.
                 new_global = self._split(shrunk, 0 if mine else MPI.UNDEFINED, self.world_rank)
@@ -278,6 +293,48 @@ class FaultTolerantWorld:
         die(f"rank {self.world_rank}: no agreed membership after {max_rounds} repair rounds: dying "
             "rather than hanging")
         raise AssertionError("unreachable")
+
+    def _claim(self, members: set[int], old_alive: tuple[int, ...]) -> bool:
+        """[Note: split brain] A partition leaves two sides that each see the other as dead; both
+        would shrink and train on, and both would write the run's outputs. So after a repair
+        the first rank of each side claims the transition (old epoch, old alive replicas) in the
+        arbiter folder with an atomic create-if-absent (``os.link`` of a written file: the claim
+        appears whole or not at all). The side that created it goes on; a side that finds it
+        held by ranks it is not a part of stops (its ranks retire). A repair with one side
+        always wins; a later round of the same repair (a further death) finds its own side's
+        claim. A side holding fewer than half of the replicas alive before (or exactly half,
+        without the lowest one) claims ``claim_delay_s`` later, so the larger side wins the
+        race. Without a shared folder (``arbiter_dir`` None) every side goes on."""
+        if self.arbiter_dir is None:
+            return True
+        side = {self.layout.replica_of(w) for w in members}
+        if 2 * len(side) < len(old_alive) or (2 * len(side) == len(old_alive)
+                                               and min(old_alive) not in side):
+            # A minority side (or the half without the lowest replica) lets a majority side,
+            # which detects the partition at about the same time, claim first.
+            with self._guard.paused():
+                time.sleep(self.claim_delay_s)
+        try:
+            return self._claim_file(members, old_alive)
+        except OSError as err:  # no arbiter reachable: go on (as without one)
+            log_line(f"rank {self.world_rank}: arbiter folder {self.arbiter_dir}: {err}; going on")
+            return True
+
+    def _claim_file(self, members: set[int], old_alive: tuple[int, ...]) -> bool:
+        os.makedirs(self.arbiter_dir, exist_ok=True)
+        path = os.path.join(self.arbiter_dir, f"epoch{self.epoch}-alive{'-'.join(map(str, old_alive))}.json")
+        tmp = f"{path}.{self.world_rank}.{os.getpid()}.tmp"
+        with open(tmp, "w") as handle:
+            handle.write(" ".join(map(str, sorted(members))))
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            with open(path) as handle:
+                owner = {int(w) for w in handle.read().split()}
+            return members <= owner
+        finally:
+            os.unlink(tmp)
 
     def _commit(self, old_alive: tuple[int, ...], complete: tuple[int, ...], new_global: MPI.Comm,
                 new_shard: MPI.Comm, decided: float, detect_s: float, rounds: int) -> ConsensusResult:
@@ -361,8 +418,8 @@ class FaultTolerantWorld:
 
     def _phase(self, name: str) -> None:
         self._guard.beat()
-        if self._on_phase is not None:
-            self._on_phase(name)
+        if self.on_phase is not None:
+            self.on_phase(name)
 
     def _split(self, comm: MPI.Comm, color: int, key: int) -> MPI.Comm | None:
         with self._guard.call("Split", self.deadlines.repair_s):

@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from recover_hsdp.collectives import MPI  # imports mpi4py with the ULFM settings
+from recover_hsdp.collectives.processes import ProcessInfo
 
 _PLACEMENT: "ProcessPlacement | None" = None
 
@@ -51,6 +52,7 @@ class ReplicaWorld:
 
     layout: ProcessPlacement
     store: dist.Store
+    procs: list[ProcessInfo]  # world rank -> (host, pid, start): [Note: nothing left behind]
 
 
 def current_placement() -> ProcessPlacement:
@@ -82,6 +84,7 @@ def bootstrap_replica(ranks_per_replica: int, timeout_s: float = 300.0,
         raise ValueError(f"ranks_per_replica={ranks_per_replica} does not divide the MPI world "
                          f"size {comm.Get_size()} (validate the config first)")
     layout = ProcessPlacement(comm.Get_rank(), comm.Get_size(), ranks_per_replica)
+    procs = comm.allgather(ProcessInfo.current())
     replica_comm = comm.Split(color=layout.replica, key=layout.shard)
     try:
         if layout.shard == 0:
@@ -99,4 +102,4 @@ def bootstrap_replica(ranks_per_replica: int, timeout_s: float = 300.0,
     os.environ.update(RANK=str(layout.shard), WORLD_SIZE=str(ranks_per_replica),
                       MASTER_ADDR=address[0], MASTER_PORT=str(address[1]))
     _PLACEMENT = layout
-    return ReplicaWorld(layout, store)
+    return ReplicaWorld(layout, store, procs)

@@ -32,14 +32,19 @@ plan, the ledger refuses a line that does not), each bucket reduced under one me
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, NoReturn, Protocol, Sequence
 
 import numpy as np
 
-from recover_hsdp.faults import FaultInjector, Phase
+from recover_hsdp.collectives.processes import ProcessInfo, kill_local
+from recover_hsdp.faults import ConsensusPoint, FaultInjector, Phase
 from recover_hsdp.outputs import RunMetrics, backfill_jsonl
 from recover_hsdp.workload import DataAssignment, Role, StepPlan, WorkloadPolicy
 from recover_hsdp.workload.ledger import LedgerWriter, plan_record
@@ -84,12 +89,17 @@ class RecoverManager:
         tokens_per_microbatch: label tokens of one microbatch of one replica (S x batch x seq).
         consistency_check_interval: every this many steps compare parameter checksums across
             replicas (0: never); ``parameter_checksum`` computes this rank's.
+        procs: every world rank's process (bootstrap), to end excluded ones on this host
+            ([Note: nothing left behind] in ``recover_hsdp.collectives.processes``).
+        die: ends this rank after a replica-local error (default: exit the process at once;
+            tests pass the fake world's kill).
     """
 
     def __init__(self, *, world, bucket_sync, policy: WorkloadPolicy, faults: FaultInjector,
                  outputs: RunMetrics, out_dir: str | Path, tokens_per_microbatch: int,
                  consistency_check_interval: int = 0,
-                 parameter_checksum: Callable[[], float] | None = None):
+                 parameter_checksum: Callable[[], float] | None = None,
+                 procs: Sequence[ProcessInfo] = (), die: Callable[[], None] | None = None):
         self.world = world
         self.bucket_sync = bucket_sync
         self.policy = policy
@@ -99,13 +109,19 @@ class RecoverManager:
         self.tokens_per_microbatch = tokens_per_microbatch
         self.consistency_check_interval = consistency_check_interval
         self.parameter_checksum = parameter_checksum
+        self.procs = list(procs)
+        self.die = die or _exit_now
         self.replica, self.shard = world.replica, world.shard
         self._ledger_records: list[dict] = []  # every rank keeps them: a new writer back-fills
         self.outputs.set_writer(self.is_writer)
-        self.ledger = LedgerWriter(self.out_dir) if self.is_writer else None
+        self.ledger = None
+        if self.is_writer:  # the run's first writer starts the ledger afresh
+            (self.out_dir / "ledger.jsonl").unlink(missing_ok=True)
+            self.ledger = LedgerWriter(self.out_dir)
         self._contract_checked = False
         self._current_step = 0
         bucket_sync.on_bucket = self._bucket_fault_point
+        world.on_phase = self._consensus_fault_point  # phase=consensus fires inside it
 
     # ---------------------------------------------------------------- roles of this rank
 
@@ -141,12 +157,14 @@ class RecoverManager:
         state.sync_time_s = time.perf_counter() - sync_started
         totals = self._committed_totals(mine, state)
         while True:
-            self.faults.at(step, Phase.CONSENSUS)
+            if sync.error:
+                self.replica_error(step, sync.error)
             result = world.consensus(not world.epoch_failed and sync.all_current())
             if result.retire:
                 world.retire(f"step {step}")
             if result.clean:
                 break
+            self._end_excluded()
             plan, mine, totals = self._recover(step, work, plan, result, nominal_tokens, state)
         return self._commit(step, work, plan, totals, nominal_tokens, state)
 
@@ -172,9 +190,48 @@ class RecoverManager:
                 if ids:
                     state.stats[ids[index]] = (loss, tokens)
                 self.world.heartbeat()
-        except RuntimeError as err:
-            self.world.fail_epoch(f"replica-local error: {str(err).splitlines()[0][:120]}")
+        except Exception as err:  # noqa: BLE001 - any error inside the replica: it leaves
+            self.replica_error(step, _one_line(err))
         return sync_started
+
+    def replica_error(self, step: int, reason: str) -> NoReturn:
+        """[Note: replica-local errors] An error inside a replica (forward, backward, the
+        all-reduce hook, the optimizer; an OOM; a gloo error because a peer of the replica died)
+        is turned into the death of this rank, like the hang watchdog turns a hang into one: a
+        replica lives or dies as a unit, and a death is what every layer already handles. Its
+        peers in the replica see their intra-replica collective fail at once (the kernel closes
+        the dead process's sockets; a live process blocked in gloo/NCCL would hold them), take
+        this path or retire at the consensus, and the other replicas go on as after any death;
+        nothing they wait for is left alive. Before dying the rank writes its reason to
+        ``errors/`` in the output folder (and stderr); the writer puts it in events.jsonl."""
+        record = {"step": step, "replica": self.replica, "shard": self.shard,
+                  "rank": self.world.world_rank, "reason": reason, "time": time.time()}
+        print(f"[recover-hsdp] replica {self.replica} shard {self.shard}: error inside the "
+              f"replica at step {step}, this rank leaves: {reason}", flush=True)
+        try:
+            folder = self.out_dir / "errors"
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / f"rank{self.world.world_rank}.json", "w") as handle:
+                handle.write(json.dumps(record) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError:
+            pass  # the reason is on stderr
+        self.die()
+        raise AssertionError("die() returned")
+
+    def _replica_errors(self, replicas) -> dict[str, list[str]]:
+        """Reasons the ranks of ``replicas`` wrote before leaving ([Note: replica-local errors])."""
+        found: dict[str, list[str]] = {}
+        for path in sorted((self.out_dir / "errors").glob("rank*.json")):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if record["replica"] in replicas:
+                found.setdefault(str(record["replica"]), []).append(
+                    f"rank {record['rank']} step {record['step']}: {record['reason']}")
+        return found
 
     def _data_id(self, plan: StepPlan, microbatch: int) -> int:
         """Dataset microbatch id: global ids in exact mode; in stream mode replica r's shard of
@@ -195,9 +252,11 @@ class RecoverManager:
 
     def _recover(self, step: int, work: StepWork, plan: StepPlan, result, nominal_tokens: int,
                  state: _StepState):
-        """Re-plan the step after a shrink; compute new extras; restore + re-reduce buckets."""
+        """Re-plan the step after a shrink; compute new extras; restore + re-reduce buckets.
+        A failed epoch in which nobody died (a transient MPI error) keeps the plan: every bucket is reduced again under the new epoch."""
         started = time.perf_counter()
-        plan = self.policy.replan(plan, result.dead_replicas)
+        if result.dead_replicas:
+            plan = self.policy.replan(plan, result.dead_replicas)
         mine = plan.assignment(self.replica)
         new_extras = mine.extra_ids[len(state.extras_done):]
         self._take_over_writer_duties()
@@ -216,6 +275,7 @@ class RecoverManager:
             "restore_s": time.perf_counter() - started - extra_s, "rebuilt_buckets": rebuilt,
             "extra_microbatches": plan.extras_total(), "promoted": list(plan.promoted()),
             "repair_rounds": result.rounds,
+            "errors": self._replica_errors(result.dead_replicas),
         })
         return plan, mine, totals
 
@@ -238,8 +298,11 @@ class RecoverManager:
         if tokens and tokens != nominal_tokens:  # keep the loss normalised by committed tokens
             scale = nominal_tokens / tokens
             loss_sum *= scale
-        self.faults.at(step, Phase.OPTIMIZER)
-        grad_norm = work.apply_update(scale)
+        try:
+            self.faults.at(step, Phase.OPTIMIZER)
+            grad_norm = work.apply_update(scale)
+        except Exception as err:  # noqa: BLE001 - committed elsewhere; this replica's state is lost
+            self.replica_error(step, "optimizer: " + _one_line(err))
         self.policy.commit(plan)
         self._ledger_records.append(plan_record(plan, self.world.epoch))
         if self.ledger is not None:
@@ -266,6 +329,9 @@ class RecoverManager:
         phase = Phase.REREDUCE if rereduce else Phase.GRAD_SYNC
         self.faults.at(self._current_step, phase, bucket=index)
 
+    def _consensus_fault_point(self, name: str) -> None:
+        self.faults.at(self._current_step, Phase.CONSENSUS, point=ConsensusPoint(name))
+
     # ---------------------------------------------------------------- state, end of run
 
     def state_dict(self) -> dict[str, Any]:
@@ -276,14 +342,81 @@ class RecoverManager:
         self.policy = WorkloadPolicy.from_state_dict(state,
                                                      alive_replicas=self.world.alive_replicas)
 
+    def finish_run(self, write_outputs: Callable[[], None]) -> None:
+        """End of the run on every surviving rank; see [Note: the end of a run].
+
+        [Note: the end of a run] The run's last outputs (summary.json, final parameters, the
+        metrics and ledger lines not yet written) are written by the writer AFTER the survivors
+        agree on who is alive, and the survivors agree again once it has written. A death at any
+        point (the writer dying in the final save, a rank lost during a checkpoint save) makes
+        one of the two agreements unclean: the world is repaired, the next writer takes over
+        (back-filling what the old one had not written) and writes everything again. Each round
+        needs a new death, so this ends; then the world's last fault-tolerant agreement."""
+        while True:
+            result = self.world.consensus(not self.world.epoch_failed)
+            if result.retire:
+                self.world.retire("end of run")
+            if not result.clean:
+                self._log_end_failure(result)
+                self._end_excluded()
+            self._take_over_writer_duties()
+            if self.is_writer:
+                self.faults.at(self._current_step, Phase.FINISH)
+                write_outputs()
+            result = self.world.consensus(True)
+            if result.retire:
+                self.world.retire("end of run")
+            if result.clean:
+                break
+            self._log_end_failure(result)
+            self._end_excluded()
+        if self.ledger is not None:
+            self.ledger.close()
+        self._end_excluded()
+        self.world.finish()
+
+    def _end_excluded(self) -> None:
+        """SIGKILL the processes of excluded replicas that run on this host (a frozen or
+        partitioned rank is excluded but alive): [Note: nothing left behind]."""
+        alive = set(self.world.layout.alive_ranks())
+        excluded = [p for rank, p in enumerate(self.procs) if rank not in alive]
+        killed = kill_local(excluded)
+        if killed:
+            print(f"[recover-hsdp] rank {self.world.world_rank}: ended excluded processes "
+                  f"{killed} on this host", flush=True)
+
+    def _log_end_failure(self, result) -> None:
+        self.outputs.log_event({
+            "step": self._current_step, "epoch": result.epoch, "phase": "end of run",
+            "dead_replicas": sorted(result.dead_replicas),
+            "alive_replicas": list(result.alive_replicas), "detect_s": result.detect_s,
+            "repair_s": result.repair_s, "repair_rounds": result.rounds,
+            "errors": self._replica_errors(result.dead_replicas)})
+
     def close(self) -> None:
-        """Close the ledger, then the world's last fault-tolerant agreement (every rank)."""
+        """Without ``finish_run`` (a run that failed): close the ledger, then the world's last
+        fault-tolerant agreement."""
         if self.ledger is not None:
             self.ledger.close()
         self.world.finish()
 
 
-def build_manager(job_config, placement, model, outputs: RunMetrics) -> RecoverManager:
+def _one_line(err: BaseException) -> str:
+    text = str(err).splitlines()[0][:300] if str(err) else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _exit_now() -> None:
+    """A replica-local error ends the process ([Note: replica-local errors]) by SIGKILL, no
+    MPI_Finalize: mpirun (PRRTE 3.0) tolerates any number of ranks killed by a signal, but ends
+    the job at the second rank that exits with a non-zero status (measured: survivors orphaned)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def build_manager(job_config, placement, model, outputs: RunMetrics,
+                  procs: Sequence[ProcessInfo] = ()) -> RecoverManager:
     """The manager of one rank of a job: the ULFM world over ``MPI.COMM_WORLD``, the policy from
     the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
     rank's faults. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap)."""
@@ -294,16 +427,18 @@ def build_manager(job_config, placement, model, outputs: RunMetrics) -> RecoverM
 
     rc, training = job_config.recover, job_config.training
     hang = rc.hang_timeout_s
+    out_dir = job_config.job.dump_folder
+    run = procs[0] if procs else None  # rank 0's process names the run: claims never mix runs
+    arbiter = (Path(out_dir) / "membership" / f"{run.host}-{run.pid}-{run.start}") if run else None
     world = FaultTolerantWorld(
         MPI.COMM_WORLD, placement.ranks_per_replica,
         Deadlines(call_s=2 * hang + 30, repair_s=3 * hang + 30, hang_timeout_s=hang,
-                  retire_grace_s=min(2.0, hang / 4)))
+                  retire_grace_s=min(2.0, hang / 4)), arbiter_dir=arbiter)
     g = microbatches_per_replica(training.local_batch_size, training.global_batch_size,
                                  placement.replicas * placement.ranks_per_replica)
     policy = WorkloadPolicy(initial_replicas=placement.replicas, microbatches_per_replica=g,
                             keep_spares=rc.keep_spares, data_assignment=rc.data_assignment,
                             g_raise=rc.g_raise)
-    out_dir = job_config.job.dump_folder
     return RecoverManager(
         world=world, bucket_sync=BucketSync.for_model(model, world, rc.host_snapshots),
         policy=policy,
@@ -313,4 +448,4 @@ def build_manager(job_config, placement, model, outputs: RunMetrics) -> RecoverM
         tokens_per_microbatch=(placement.ranks_per_replica * training.local_batch_size
                                * training.seq_len),
         consistency_check_interval=rc.consistency_check_interval,
-        parameter_checksum=lambda: local_parameter_checksum(model))
+        parameter_checksum=lambda: local_parameter_checksum(model), procs=procs)

@@ -91,6 +91,7 @@ class BucketSync:
         self._by_unit: dict[int, Bucket] = {}
         self.contributes = True
         self.collecting_extras = False
+        self.error: str | None = None  # first error raised inside the hook this step (not MPI's)
         self._staging: dict[tuple, torch.Tensor] = {}
         for index, unit in enumerate(self.units):
             unit.set_force_sum_reduction_for_comms(True)
@@ -120,6 +121,7 @@ class BucketSync:
         """Forget last step's buckets; ``contributes`` False: reduce zeros (unpromoted spare)."""
         self.buckets = []
         self._by_unit = {}
+        self.error = None
         self.contributes = contributes
         self.collecting_extras = False
 
@@ -155,7 +157,9 @@ class BucketSync:
             else:
                 self._snapshot_and_reduce(unit, tensor)
         except Exception as err:  # never raise out of the hook: see [Note: FSDP2 contract]
-            self.world.fail_epoch(f"all-reduce hook error: {err!r}")
+            if self.error is None:
+                self.error = f"all-reduce hook: {type(err).__name__}: {str(err).splitlines()[0]}"
+            self.world.fail_epoch(self.error)
 
     def _snapshot_and_reduce(self, unit: int, tensor: torch.Tensor) -> None:
         if unit in self._by_unit:

@@ -12,7 +12,7 @@ so both paths write the same ``metrics.jsonl`` / ``summary.json`` (``recover_hsd
   :meth:`RecoverMetricsProcessor.log_step`; only the writer rank writes, and only it feeds
   TorchTitan's console / TensorBoard / W&B loggers (``recover/*`` extra metrics).
 TorchTitan's own logging keeps its ``metrics.log_freq``. With ``recover.save_final_params`` both
-paths write the unsharded final parameters (``final_params.pt``) at ``close``.
+paths write the unsharded final parameters (``final_params.pt``) with the summary.
 """
 
 from __future__ import annotations
@@ -94,11 +94,10 @@ class RecoverMetricsProcessor(MetricsProcessor):
 
     # ------------------------------------------------------------------ end of run
 
-    def close(self) -> None:
-        if self.job_config.recover.save_final_params and self.model_parts:
-            full = full_tensors(self.model_parts[0])  # a collective of the (replica's) world
-            if self.outputs.is_writer:
-                torch.save(full, f"{self.job_config.job.dump_folder}/final_params.pt")
+    def write_run_outputs(self, final_params: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+        """``final_params.pt`` (when given) and ``summary.json``; the writer writes them."""
+        if final_params is not None and self.outputs.is_writer:
+            torch.save(final_params, f"{self.job_config.job.dump_folder}/final_params.pt")
         steps = self.outputs.steps
         last = steps[-1] if steps else {}
         summary = self.outputs.write_summary({
@@ -106,6 +105,16 @@ class RecoverMetricsProcessor(MetricsProcessor):
             "completed": bool(steps) and last["step"] >= self.job_config.training.steps})
         if self.outputs.is_writer:
             print(f"[recover-hsdp] summary: {summary}", flush=True)
+        return summary
+
+    def close(self) -> None:
+        """Stock path: final parameters and summary here (ReCoVer: the manager's end of run
+        calls :meth:`write_run_outputs` on the writer, see [Note: the end of a run])."""
+        if not self.recover:
+            final = None
+            if self.job_config.recover.save_final_params and self.model_parts:
+                final = full_tensors(self.model_parts[0])  # a collective of the stock world
+            self.write_run_outputs(final)
         super().close()
 
 

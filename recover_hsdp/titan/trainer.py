@@ -26,7 +26,9 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
+from recover_hsdp.collectives.processes import write_registry
 from recover_hsdp.config import validate
+from recover_hsdp.faults import Phase
 from recover_hsdp.manager import build_manager
 from recover_hsdp.manager.bootstrap import bootstrap_replica
 from recover_hsdp.titan.metrics import full_tensors
@@ -47,6 +49,8 @@ class ReplicaCheckpointer:
     def save(self, curr_step: int, last_step: bool = False) -> None:
         if self._manager.saves_checkpoints:
             with self._manager.world.watchdog_paused():
+                # phase=checkpoint: in the save call of that step (choose a step a save is due)
+                self._manager.faults.at(curr_step, Phase.CHECKPOINT)
                 self._inner.save(curr_step, last_step=last_step)
 
     def __getattr__(self, name):
@@ -64,7 +68,9 @@ class RecoverTrainer(Trainer):
                                                job_config.comm.init_timeout_seconds)
         super().__init__(job_config)
         self.manager = build_manager(job_config, self.replica_world.layout, self.model_parts[0],
-                                     self.metrics_processor.outputs)
+                                     self.metrics_processor.outputs, self.replica_world.procs)
+        if self.replica_world.layout.world_rank == 0:  # for the launcher's final clean-up
+            write_registry(job_config.job.dump_folder, self.replica_world.procs)
         self.checkpointer = ReplicaCheckpointer(self.checkpointer, self.manager)
 
     def init_distributed(self) -> ParallelDims:
@@ -147,7 +153,23 @@ class RecoverTrainer(Trainer):
             torch.save({"params": params, "grads": grads},
                        f"{self.job_config.job.dump_folder}/grads_step{self.step}.pt")
 
+    def train(self):
+        super().train()
+        self._trained = True
+
     def close(self) -> None:
-        super().close()  # checkpointer; metrics processor: final parameters, summary.json
-        if getattr(self, "manager", None) is not None:
-            self.manager.close()  # ledger, then the world's last fault-tolerant agreement
+        manager = getattr(self, "manager", None)
+        if manager is None:
+            return super().close()
+        final = None
+        if self.job_config.recover.save_final_params:
+            try:  # a collective inside the replica: a peer lost here makes the replica leave
+                final = full_tensors(self.model_parts[0])
+            except Exception as err:  # noqa: BLE001
+                manager.replica_error(self.step, f"final parameter gather: {err}".splitlines()[0])
+        if getattr(self, "_trained", False):
+            manager.finish_run(lambda: self.metrics_processor.write_run_outputs(final))
+        else:  # training raised on every rank (e.g. replicas diverged): record what there is
+            self.metrics_processor.write_run_outputs(final)
+            manager.close()
+        super().close()  # checkpointer, TorchTitan's loggers

@@ -1,0 +1,91 @@
+"""Which process is which rank, and ending the processes the world has excluded.
+
+[Note: nothing left behind] A rank excluded from the world is not always dead: a frozen process
+(SIGSTOP, a kernel stall) or a partitioned one keeps its sockets, its device memory and mpirun's
+attention (mpirun waits for it forever). So every rank records (host, pid, process start time)
+at start-up; after every repair and at the end of the run each survivor SIGKILLs the excluded
+ranks that run on its own host, and the launcher, once the run is over, ends mpirun and any
+registered process left on its host. The start time (``/proc/<pid>/stat`` field 22) guards
+against killing an unrelated process that reused the pid.
+
+Standard library only (the collectives layer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PROCS_FILE = "procs.json"
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """Identity of one rank's process: host name, pid, start time in clock ticks since boot."""
+
+    host: str
+    pid: int
+    start: int
+
+    @classmethod
+    def current(cls) -> "ProcessInfo":
+        return cls(socket.gethostname(), os.getpid(), start_time(os.getpid()) or 0)
+
+    def is_local(self) -> bool:
+        return self.host == socket.gethostname()
+
+    def state(self) -> str | None:
+        """The process's state letter (R, S, T for stopped, Z, ...) if it is still this process
+        on this host, else None (gone, reused pid, or another host)."""
+        if not self.is_local() or start_time(self.pid) != self.start:
+            return None
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return None
+        return stat.rsplit(")", 1)[1].split()[0]
+
+    def kill(self) -> bool:
+        """SIGKILL the process if it is still this process on this host. True if signalled."""
+        if self.pid == os.getpid() or self.state() in (None, "Z"):
+            return False
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            return True
+        except OSError:
+            return False
+
+
+def start_time(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def write_registry(out_dir: str | Path, procs: list[ProcessInfo]) -> Path:
+    """``procs.json`` in ``out_dir``: world rank -> process (written once by rank 0)."""
+    path = Path(out_dir) / PROCS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([asdict(p) for p in procs]))
+    tmp.replace(path)
+    return path
+
+
+def read_registry(out_dir: str | Path) -> list[ProcessInfo]:
+    path = Path(out_dir) / PROCS_FILE
+    try:
+        return [ProcessInfo(**p) for p in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def kill_local(procs: list[ProcessInfo]) -> list[int]:
+    """SIGKILL those of ``procs`` that still run on this host; returns the pids signalled."""
+    return [p.pid for p in procs if p.kill()]

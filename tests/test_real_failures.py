@@ -1,0 +1,114 @@
+"""Failures that do not close a socket, errors that kill nobody, a writer lost at the very end, and
+output folders reused: real 4 x 1 / 2 x 2 jobs (mpirun --with-ft ulfm) on one host.
+
+Each test asserts: the launcher exits 0 within a wall bound, every step committed with B
+microbatches, the right survivors, the loss within 1e-3 of the failure-free run (exact data
+assignment), and no process of the job alive afterwards (by the pids the job registered).
+Survivors' parameters are compared by the trainer every step (consistency_check_interval = 1 in
+the debug config): a divergence would stop the run, so finishing is part of the check.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from conftest import DEBUG_CONFIG, read_jsonl, run_cli
+from recover_hsdp.collectives.processes import read_registry
+
+STEPS = 10
+B = 4
+
+
+def _train(out, faults=(), replicas=4, ranks=1, extra=(), timeout=300):
+    args = ["train", "--config", str(DEBUG_CONFIG), "--replicas", str(replicas),
+            "--ranks-per-replica", str(ranks), "--out", str(out)]
+    for fault in faults:
+        args += ["--fault", fault]
+    started = time.monotonic()
+    result = run_cli(args + ["--", "--recover.hang_timeout_s", "20", *extra], timeout=timeout)
+    wall = time.monotonic() - started
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    return result, read_jsonl(out / "metrics.jsonl"), wall
+
+
+def _check(out, steps, failure_free, alive_after, wall, bound=150):
+    assert wall < bound, wall
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert all(s["committed_microbatches"] == B for s in steps)
+    assert steps[-1]["alive_replicas"] == alive_after
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, failure_free["exact"])]
+    assert max(diffs) <= 1e-3, diffs
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == STEPS
+    procs = read_registry(out)
+    assert procs, "the job registered no process"
+    assert [p.pid for p in procs if p.state() is not None] == []  # nothing left behind
+    ledger = read_jsonl(out / "ledger.jsonl")
+    assert [line["step"] for line in ledger] == list(range(STEPS))
+    return summary
+
+
+def test_frozen_rank_is_declared_dead_and_nothing_is_left_behind(tmp_path, failure_free):
+    """Replica 2 SIGSTOPs itself (all threads frozen, sockets open: a hung node) in step 3's
+    backward. The heartbeat detector declares it dead within detect_timeout_s, the others
+    shrink and finish, the survivors end the stopped process, and the launcher returns."""
+    result, steps, wall = _train(tmp_path, faults=["replica=2,step=3,phase=backward,mode=stop"])
+    _check(tmp_path, steps, failure_free, alive_after=3, wall=wall)
+    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    assert event["dead_replicas"] == [2] and event["step"] == 3
+    assert event["detect_s"] < 15, event  # detect_timeout_s = 4 (+ a loaded 2-core host)
+
+
+def test_error_inside_a_replica_makes_only_that_replica_leave(tmp_path, failure_free):
+    """A RuntimeError in replica 1's forward at step 3 (what a CUDA OOM raises), then one in
+    replica 3's optimizer step at step 6: each replica leaves as a unit with its error text in
+    events.jsonl and the survivors stay on the failure-free trajectory."""
+    result, steps, wall = _train(tmp_path, faults=["replica=1,step=3,phase=forward,mode=raise",
+                                                   "replica=3,step=6,phase=optimizer,mode=raise"])
+    _check(tmp_path, steps, failure_free, alive_after=2, wall=wall)
+    events = read_jsonl(tmp_path / "events.jsonl")
+    assert [e["dead_replicas"] for e in events] == [[1], [3]]
+    assert "injected fault at step 3 forward" in events[0]["errors"]["1"][0]
+    assert "injected fault at step 6 optimizer" in events[1]["errors"]["3"][0]
+    assert events[1]["step"] == 7  # step 6 was committed; the others see it leave in step 7
+
+
+def test_error_in_one_rank_of_a_2x2_replica_takes_the_replica_out(tmp_path):
+    """2 x 2: rank 1 of replica 1 raises in backward; it leaves, its peer's intra-replica
+    collective fails at once, and the replica leaves as a unit; replica 0 is untouched."""
+    result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
+                                 faults=["replica=1,step=2,phase=backward,rank=1,mode=raise"],
+                                 extra=["--training.steps", "4"])
+    assert wall < 150, wall
+    assert [s["alive_replicas"] for s in steps] == [2, 1, 1, 1]
+    assert all(s["committed_microbatches"] == 2 for s in steps)
+    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    assert event["dead_replicas"] == [1] and "rank 3 step 2: RuntimeError: injected fault" in (
+        " ".join(event["errors"]["1"]))
+    assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []
+
+
+def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
+    """Rank 0 (the writer) is SIGKILLed after the last step's commit, while it writes the run's
+    final outputs: the next writer writes the summary and the launcher reports success."""
+    result, steps, wall = _train(tmp_path, faults=[f"replica=0,step={STEPS},phase=finish"],
+                                 extra=["--recover.save_final_params"])
+    summary = _check(tmp_path, steps, failure_free, alive_after=4, wall=wall)
+    assert summary["alive_replicas"] == 4  # the last step committed with 4 replicas
+    assert (tmp_path / "final_params.pt").exists()
+    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    assert event["phase"] == "end of run" and event["dead_replicas"] == [0]
+
+
+def test_a_second_run_into_the_same_folder_starts_afresh(tmp_path):
+    """Outputs are never mixed: the earlier run's ledger, faults and metrics are removed."""
+    _train(tmp_path, replicas=2, faults=["replica=1,step=2,phase=forward"],
+           extra=["--training.steps", "3"])
+    assert len(read_jsonl(tmp_path / "faults_fired.jsonl")) == 1
+    result, steps, _ = _train(tmp_path, replicas=2, extra=["--training.steps", "2"])
+    assert "removed the earlier run's" in result.stdout
+    assert [s["step"] for s in steps] == [1, 2]
+    assert [line["step"] for line in read_jsonl(tmp_path / "ledger.jsonl")] == [0, 1]
+    assert not (tmp_path / "faults_fired.jsonl").exists()
+    assert not (tmp_path / "events.jsonl").exists() or not (tmp_path / "events.jsonl").read_text()
