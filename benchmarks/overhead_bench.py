@@ -1,6 +1,7 @@
 """Failure-free overhead: ReCoVer (MPI path) vs stock TorchTitan HSDP, interleaved A/B runs.
 
     python benchmarks/overhead_bench.py [--layouts 2x1,2x2,4x1] [--pairs 3] [--steps 12]
+    python benchmarks/overhead_bench.py --detector     # detector on vs off, same A/B scheme
 
 Each pair runs the two modes back to back on the same machine with the same config, data and
 seed; the per-run figure is the median step time over steps 3..N (steps 1-2 warm up) and the
@@ -25,12 +26,13 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "torchtitan_configs" / "debug_cpu.toml"
 
 
-def run(replicas: int, ranks: int, stock: bool, steps: int) -> tuple[float, float]:
+def run(replicas: int, ranks: int, stock: bool, steps: int,
+        extra: tuple[str, ...] = ()) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
                    "--replicas", str(replicas), "--ranks-per-replica", str(ranks), "--out", out]
         command += ["--stock"] if stock else []
-        command += ["--", "--training.steps", str(steps)]
+        command += ["--", "--training.steps", str(steps), *extra]
         subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
         lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
         rows = [json.loads(line) for line in lines][2:]
@@ -44,9 +46,14 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--detector", action="store_true",
+                        help="A/B of ReCoVer with the heartbeat detector (default, "
+                             "detect_timeout_s = 4) vs without it (detect_timeout_s = 0)")
     args = parser.parse_args()
     if args.quick:
         args.layouts, args.pairs, args.steps = "2x1,2x2", 2, 8
+    if args.detector:
+        return detector_ab(args)
     results = {}
     for layout in args.layouts.split(","):
         replicas, ranks = map(int, layout.split("x"))
@@ -81,6 +88,31 @@ def main() -> None:
         {**results, "machine": machine(), "args": vars(args)}, indent=2) + "\n")
     _plot(results, out / "overhead.png")
     print(markdown(results))
+
+
+def detector_ab(args) -> None:
+    """Failure-free step time with the detector on vs off, interleaved pairs (same work)."""
+    results = {}
+    for layout in args.layouts.split(","):
+        replicas, ranks = map(int, layout.split("x"))
+        pairs = []
+        for _ in range(args.pairs):
+            on, _ = run(replicas, ranks, False, args.steps)
+            off, _ = run(replicas, ranks, False, args.steps, ("--recover.detect_timeout_s", "0"))
+            pairs.append({"detector_on_s": on, "detector_off_s": off, "ratio": on / off})
+        results[layout] = {"pairs": pairs,
+                           "median_on_s": statistics.median(p["detector_on_s"] for p in pairs),
+                           "median_off_s": statistics.median(p["detector_off_s"] for p in pairs),
+                           "median_ratio": statistics.median(p["ratio"] for p in pairs)}
+        r = results[layout]
+        print(f"{layout}: detector on {r['median_on_s']:.3f}s off {r['median_off_s']:.3f}s "
+              f"ratio on/off {r['median_ratio']:.3f} (pairs: "
+              f"{', '.join(format(p['ratio'], '.3f') for p in pairs)})",
+              flush=True)
+    out = REPO / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "detector_overhead.json").write_text(json.dumps(
+        {**results, "machine": machine(), "args": vars(args)}, indent=2) + "\n")
 
 
 def markdown(results: dict) -> str:

@@ -7,7 +7,6 @@ trainer after every step; a divergence would stop the run, so finishing is part 
 
 import json
 
-import pytest
 
 from conftest import DEBUG_CONFIG, read_jsonl, run_cli
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from fakes import FakeHub, FakeUnit, Killed, run_ranks, values_of
+from fakes import FakeHub, FakeUnit, run_ranks, values_of
 from recover_hsdp.faults import FaultInjector, FaultSpec, Mode
 from recover_hsdp.manager import RecoverManager
 from recover_hsdp.outputs import RunMetrics

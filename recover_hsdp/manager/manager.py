@@ -120,6 +120,7 @@ class RecoverManager:
             self.ledger = LedgerWriter(self.out_dir)
         self._contract_checked = False
         self._current_step = 0
+        self._decided_at = 0.0
         bucket_sync.on_bucket = self._bucket_fault_point
         world.on_phase = self._consensus_fault_point  # phase=consensus fires inside it
 
@@ -160,6 +161,7 @@ class RecoverManager:
             if sync.error:
                 self.replica_error(step, sync.error)
             result = world.consensus(not world.epoch_failed and sync.all_current())
+            self._decided_at = time.time()  # wall clock: benchmarks relate it to a fault's time
             if result.retire:
                 world.retire(f"step {step}")
             if result.clean:
@@ -274,7 +276,7 @@ class RecoverManager:
             "repair_s": result.repair_s, "extra_compute_s": extra_s,
             "restore_s": time.perf_counter() - started - extra_s, "rebuilt_buckets": rebuilt,
             "extra_microbatches": plan.extras_total(), "promoted": list(plan.promoted()),
-            "repair_rounds": result.rounds,
+            "repair_rounds": result.rounds, "decided_at": self._decided_at,
             "errors": self._replica_errors(result.dead_replicas),
         })
         return plan, mine, totals
@@ -372,14 +374,18 @@ class RecoverManager:
             self._end_excluded()
         if self.ledger is not None:
             self.ledger.close()
-        self._end_excluded()
+        self._end_excluded(frozen_only=False)
         self.world.finish()
 
-    def _end_excluded(self) -> None:
-        """SIGKILL the processes of excluded replicas that run on this host (a frozen or
-        partitioned rank is excluded but alive): [Note: nothing left behind]."""
+    def _end_excluded(self, frozen_only: bool = True) -> None:
+        """SIGKILL the processes of excluded replicas that run on this host: [Note: nothing
+        left behind]. After a repair only frozen ones (stopped: they hold memory and mpirun, and
+        will never move); at the end of the run every one still there (a rank of a dead replica
+        retires by itself within its grace period, so it is not killed while it leaves)."""
         alive = set(self.world.layout.alive_ranks())
         excluded = [p for rank, p in enumerate(self.procs) if rank not in alive]
+        if frozen_only:
+            excluded = [p for p in excluded if p.state() in ("T", "t")]
         killed = kill_local(excluded)
         if killed:
             print(f"[recover-hsdp] rank {self.world.world_rank}: ended excluded processes "

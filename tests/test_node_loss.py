@@ -1,0 +1,135 @@
+"""A real multi-node topology on one machine: 3-4 "nodes" (network + UTS namespaces on a private
+bridge, tests/netns_cluster.py), the job launched from node 0 across all of them with a hostfile
+(one rank = one replica per node), and a node lost while it trains.
+
+(b) a node's link cut (no RST: a pulled cable) and (c) a node's rank frozen (SIGSTOP): the
+heartbeat detector declares it dead, the others finish with B every step, the cut-off side
+stops itself ([Note: split brain]: the shared output folder's claim), the launcher ends mpirun and
+returns 0. (a) every process of a node SIGKILLed, its PRRTE daemon included: PRRTE (v3.0.11,
+``errmgr_dvm`` ``proc_errors``) aborts the whole job on a lost daemon with no option to keep it;
+the test pins down that the launcher then returns promptly with a clear error and leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from conftest import DEBUG_CONFIG, REPO, read_jsonl
+from netns_cluster import NetnsCluster, skip_unless_available
+from recover_hsdp.collectives.processes import read_registry
+
+pytestmark = skip_unless_available()
+
+STEPS = 8
+
+
+def _launch(cluster: NetnsCluster, out, steps=STEPS):
+    """``recover-hsdp train`` run inside node 0, one replica per node."""
+    mpi = [*cluster.mpirun_args(), "--map-by", "ppr:1:node"]
+    argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(DEBUG_CONFIG),
+            "--replicas", str(cluster.n), "--out", str(out), "--end-grace", "10",
+            *[f"--mpi-arg={a}" for a in mpi],
+            "--", "--training.steps", str(steps), "--recover.hang_timeout_s", "30"]
+    log = open(out.parent / f"{out.name}.log", "w")
+    proc = cluster.popen(0, argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                         stdout=log, stderr=log, cwd=str(REPO))
+    return proc, log
+
+
+def _wait_for_step(out, step, proc, timeout=240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = out / "metrics.jsonl"
+        if path.exists() and any(r["step"] >= step for r in read_jsonl(path)):
+            return
+        assert proc.poll() is None, f"job ended early: {(out.parent / f'{out.name}.log').read_text()[-3000:]}"
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def _finish(proc, out, timeout=240):
+    started = time.monotonic()
+    try:
+        proc.wait(timeout=timeout)
+    except Exception:
+        proc.kill()
+        raise
+    return proc.returncode, time.monotonic() - started, (out.parent / f"{out.name}.log").read_text()
+
+
+def _node_of(out, replica: int) -> int:
+    procs = read_registry(out)
+    return int(procs[replica].host.rsplit("n", 1)[1])
+
+
+@pytest.mark.parametrize("nodes", [3, pytest.param(4, marks=[pytest.mark.slow, pytest.mark.xfail(
+    strict=True, reason="known, measured: with 4 nodes the failure notice / revoke does not reach "
+    "every survivor (one stays blocked in its all-reduce, the others' detectors then declare it "
+    "dead): see README 'Lost nodes'")])])
+@pytest.mark.parametrize("fault", ["link_down", "frozen_rank"])
+def test_lost_node_the_others_finish(tmp_path, fault, nodes):
+    out = tmp_path / "run"
+    out.mkdir()
+    prefix = f"rhl{os.getpid() % 1000}{fault[0]}{nodes}"
+    subnet = f"10.231.{(50 + os.getpid() + 7 * nodes + (fault == 'link_down')) % 250}"
+    with NetnsCluster(nodes, prefix=prefix, subnet=subnet) as cluster:
+        proc, log = _launch(cluster, out)
+        _wait_for_step(out, 3, proc)
+        victim = read_registry(out)[2]  # replica 2's rank, on node 2
+        assert _node_of(out, 2) == 2
+        if fault == "link_down":
+            cluster.link_down(2)
+        else:
+            os.kill(victim.pid, 19)  # SIGSTOP: frozen, sockets open
+        rc, wall, text = _finish(proc, out)
+        log.close()
+        assert rc == 0, text[-4000:]
+        steps = read_jsonl(out / "metrics.jsonl")
+        assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), text[-3000:]
+        assert all(s["committed_microbatches"] == nodes for s in steps)
+        assert steps[-1]["alive_replicas"] == nodes - 1
+        events = read_jsonl(out / "events.jsonl")
+        assert [e["dead_replicas"] for e in events] == [[2]], events
+        assert events[0]["detect_s"] < 20, events
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["completed"] and summary["alive_replicas"] == nodes - 1
+        ledger = read_jsonl(out / "ledger.jsonl")
+        assert [line["step"] for line in ledger] == list(range(STEPS))
+        # nothing of the job left on the nodes that are still reachable, and the lost node's
+        # rank is gone too (it stopped itself, or it was ended with mpirun)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            left = {n: p for n, p in cluster.leftover_pids().items() if not n.endswith("n2")}
+            if not left and victim.state() in (None, "Z"):
+                break
+            time.sleep(0.5)
+        assert not left, left
+        if fault == "frozen_rank":
+            assert victim.state() in (None, "Z")
+
+
+def test_crashed_node_with_its_daemon_ends_the_job_cleanly(tmp_path):
+    """(a) SIGKILL of everything on node 2, its prted included: PRRTE aborts the job (measured:
+    no PRRTE option keeps a job whose daemon is lost). What the launcher guarantees: it returns
+    promptly, says so in one line, and no process of the job is left on any node."""
+    out = tmp_path / "run"
+    out.mkdir()
+    prefix, subnet = f"rhl{os.getpid() % 1000}a", f"10.231.{150 + (os.getpid() % 100)}"
+    with NetnsCluster(4, prefix=prefix, subnet=subnet) as cluster:
+        proc, log = _launch(cluster, out)
+        _wait_for_step(out, 2, proc)
+        cluster.kill_node(2)
+        rc, wall, text = _finish(proc, out, timeout=120)
+        log.close()
+        assert rc != 0
+        assert "recover-hsdp: error" in text
+        assert wall < 60, wall
+        deadline = time.monotonic() + 20
+        while cluster.leftover_pids() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert cluster.leftover_pids() == {}
