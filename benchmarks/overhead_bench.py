@@ -82,10 +82,7 @@ def main() -> None:
               f"tokens/s {r['median_recover_tokens_per_s']:.0f} vs "
               f"{r['median_stock_tokens_per_s']:.0f} (ratio {r['median_tokens_per_s_ratio']:.3f})",
               flush=True)
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "overhead.json").write_text(json.dumps(
-        {**results, "machine": machine(), "args": vars(args)}, indent=2) + "\n")
+    out = _save("overhead.json", results, args)
     _plot(results, out / "overhead.png")
     print(markdown(results))
 
@@ -109,10 +106,15 @@ def detector_ab(args) -> None:
               f"ratio on/off {r['median_ratio']:.3f} (pairs: "
               f"{', '.join(format(p['ratio'], '.3f') for p in pairs)})",
               flush=True)
+    _save("detector_overhead.json", results, args)
+
+
+def _save(name: str, results: dict, args) -> Path:
     out = REPO / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "detector_overhead.json").write_text(json.dumps(
+    (out / name).write_text(json.dumps(
         {**results, "machine": machine(), "args": vars(args)}, indent=2) + "\n")
+    return out
 
 
 def markdown(results: dict) -> str:

@@ -48,6 +48,8 @@ class Mode(str, enum.Enum):
     HANG = "hang"        # the main thread sleeps forever; other threads run (the watchdog)
     STOP = "stop"        # SIGSTOP to itself: every thread frozen, sockets stay open (a hung node)
     RAISE = "raise"      # a RuntimeError at that point (what a CUDA OOM looks like)
+    BUSY = "busy"        # NOT a failure: ``seconds`` of pure-Python compute holding the GIL, no
+                         # MPI call, no heartbeat (a very long step: must not be declared dead)
 
 
 class ConsensusPoint(str, enum.Enum):
@@ -69,6 +71,7 @@ class FaultSpec:
     rank: int | None = None
     mode: Mode = Mode.SIGKILL
     bucket: int = 0
+    seconds: float = 30.0
     point: ConsensusPoint = ConsensusPoint.AGREE
 
     @classmethod
@@ -83,13 +86,14 @@ class FaultSpec:
                        rank=int(fields["rank"]) if "rank" in fields else None,
                        mode=Mode(fields.pop("mode", "sigkill")),
                        bucket=int(fields.pop("bucket", 0)),
+                       seconds=float(fields.pop("seconds", 30.0)),
                        point=ConsensusPoint(fields.pop("at", "consensus")))
             fields.pop("rank", None)
         except (KeyError, ValueError) as err:
             raise ConfigError(
                 f"--fault {text!r}: {err}: expected replica=R,step=N,phase="
                 f"{'|'.join(p.value for p in Phase)}[,rank=K][,mode="
-                f"{'|'.join(m.value for m in Mode)}][,bucket=B][,at="
+                f"{'|'.join(m.value for m in Mode)}][,bucket=B][,seconds=S][,at="
                 f"{'|'.join(c.value for c in ConsensusPoint)}]") from None
         if fields:
             raise ConfigError(f"--fault {text!r}: unknown key {sorted(fields)[0]!r}")
@@ -153,6 +157,11 @@ class FaultInjector:
         if spec.mode is Mode.STOP:
             os.kill(os.getpid(), signal.SIGSTOP)
             return  # continued (SIGCONT): carry on as a slow rank would
+        if spec.mode is Mode.BUSY:
+            until = time.monotonic() + spec.seconds
+            while time.monotonic() < until:  # the GIL is held: only C threads run meanwhile
+                sum(range(10000))
+            return
         if spec.mode is Mode.RAISE:
             raise RuntimeError(f"injected fault at step {spec.step} {spec.phase.value} "
                                f"(replica {self.replica} shard {self.shard})")

@@ -112,3 +112,15 @@ def test_a_second_run_into_the_same_folder_starts_afresh(tmp_path):
     assert [line["step"] for line in read_jsonl(tmp_path / "ledger.jsonl")] == [0, 1]
     assert not (tmp_path / "faults_fired.jsonl").exists()
     assert not (tmp_path / "events.jsonl").exists() or not (tmp_path / "events.jsonl").read_text()
+
+
+def test_a_long_step_is_not_a_death(tmp_path):
+    """Replica 1 computes 20 s (pure Python, GIL held, no MPI call: 5 x detect_timeout_s) in
+    step 2: the heartbeat detector's own thread keeps it alive, nobody is declared dead."""
+    result, steps, wall = _train(tmp_path, replicas=2,
+                                 faults=["replica=1,step=2,phase=forward,mode=busy,seconds=20"],
+                                 extra=["--training.steps", "3", "--recover.hang_timeout_s", "60"])
+    assert [s["alive_replicas"] for s in steps] == [2, 2, 2]
+    assert steps[1]["step_time_s"] >= 20
+    assert not (tmp_path / "events.jsonl").exists() or not (tmp_path / "events.jsonl").read_text()
+    assert len(read_jsonl(tmp_path / "faults_fired.jsonl")) == 1
