@@ -61,7 +61,8 @@ def test_kill_after_k_buckets_4x1(tmp_path, local_corpus, k_first, k_second):
     _check_step_against_oracle(out, 3, 1, [3], 4)
 
 
-@pytest.mark.parametrize("k", [0, N_BUCKETS, pytest.param(1, marks=pytest.mark.slow),
+@pytest.mark.parametrize("k", [0, pytest.param(N_BUCKETS, marks=pytest.mark.slow),
+                               pytest.param(1, marks=pytest.mark.slow),
                                pytest.param(N_BUCKETS - 1, marks=pytest.mark.slow)])
 def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus, k):
     """2 x 2: shard rank 1 of replica 1 dies after k buckets; its live peer must leave with it

@@ -39,11 +39,12 @@ def heartbeat_detector_args(timeout_s: float = 4.0) -> list[str]:
 
     Each rank beats to a neighbour every ``timeout_s / 4`` seconds; one silent for ``timeout_s`` is
     declared dead, so a frozen process or a host lost without a connection reset becomes an ordinary
-    ULFM failure. Measured (docs/ULFM_NOTES.md, benchmarks/README.md): SIGSTOPped rank found in
-    3.1-3.8 s at 4 s and 1.7-2.0 s at 2 s; the detector thread beats while the main thread holds the
-    GIL (no false positive with 60 s of pure-Python compute); no measurable failure-free cost. A stuck
-    main thread of a live process is NOT seen (its detector thread still beats): that is the hang
-    watchdog's job (``recover_hsdp.collectives.guard``). Empty for ``timeout_s <= 0``.
+    ULFM failure. Measured (docs/ULFM_NOTES.md, benchmarks/README.md): frozen rank or cut link found
+    in 3.2-4.3 s at 4 s (real job) and 1.7-2.0 s at 2 s (probes); the detector thread beats while
+    the main thread holds the GIL (no false positive with 60 s of pure-Python compute); no
+    measurable failure-free cost. A stuck main thread of a live process is NOT seen (its detector
+    thread still beats): that is the hang watchdog's job (``recover_hsdp.collectives.guard``).
+    Empty for ``timeout_s <= 0``.
     """
     if timeout_s <= 0:
         return []
