@@ -124,3 +124,18 @@ def test_a_long_step_is_not_a_death(tmp_path):
     assert steps[1]["step_time_s"] >= 20
     assert not (tmp_path / "events.jsonl").exists() or not (tmp_path / "events.jsonl").read_text()
     assert len(read_jsonl(tmp_path / "faults_fired.jsonl")) == 1
+
+
+def test_frozen_rank_of_a_2x2_replica(tmp_path):
+    """2 x 2: rank 1 of replica 1 SIGSTOPs itself. Its replica peer is blocked in gloo with it
+    (a frozen process keeps its sockets): the survivor that the detector tells ends the frozen
+    process at once (same host), which frees the peer, and the replica leaves as a unit in about
+    detect_timeout_s, not at the hang watchdog (20 s here)."""
+    result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
+                                 faults=["replica=1,step=2,phase=backward,rank=1,mode=stop"],
+                                 extra=["--training.steps", "4"])
+    assert [s["alive_replicas"] for s in steps] == [2, 1, 1, 1]
+    assert all(s["committed_microbatches"] == 2 for s in steps)
+    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    assert event["dead_replicas"] == [1] and event["detect_s"] < 15, event
+    assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []

@@ -108,6 +108,8 @@ class FaultTolerantWorld:
         self.arbiter_dir = None if arbiter_dir is None else os.fspath(arbiter_dir)
         self.claim_delay_s = 10.0  # a minority side's head start for the majority (< repair_s)
         self.on_phase = on_phase  # public: the manager installs its fault points here
+        # public: on_failed(world ranks) when a guarded call fails with ranks known failed
+        self.on_failed: Callable[[list[int]], None] | None = None
         self.world_rank = comm.Get_rank()
         self.replica, self.shard = divmod(self.world_rank, ranks_per_replica)
         self._guard = MpiGuard(self.deadlines, name=f"world rank {self.world_rank}")
@@ -180,7 +182,7 @@ class FaultTolerantWorld:
 
     def barrier(self) -> bool:
         """Barrier on the global communicator. False: this epoch saw a failure."""
-        return self._guarded("Barrier(global)", self._global.Barrier)
+        return self._guarded("Barrier(global)", self._global.Barrier, self._global)
 
     def fail_epoch(self, reason: str) -> None:
         """Record a failure seen outside MPI (e.g. a gloo error inside the replica) and revoke every
@@ -196,15 +198,33 @@ class FaultTolerantWorld:
         flat = buf.reshape(-1)  # a view: buf is C-contiguous
         step = max(1, CHUNK_BYTES // buf.itemsize)
         return all(self._guarded(f"Allreduce({which})", lambda lo=lo: comm.Allreduce(
-            MPI.IN_PLACE, [flat[lo:lo + step], mpitype], op=MPI.SUM))
+            MPI.IN_PLACE, [flat[lo:lo + step], mpitype], op=MPI.SUM), comm)
             for lo in range(0, max(flat.size, 1), step))  # stops at the first failure
+
+    def _report_failed(self, comm: MPI.Comm | None) -> None:
+        """Hand the ranks this rank knows to have failed on ``comm`` to ``on_failed`` (the
+        manager ends the frozen ones on this host at once: a frozen rank's replica peers are
+        blocked in an intra-replica collective with it until it really dies)."""
+        if self.on_failed is None or comm is None:
+            return
+        try:
+            group = comm.Get_failed()
+            try:
+                failed = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                                   self._base_group)
+            finally:
+                group.Free()
+        except MPI.Exception:
+            return
+        if failed:
+            self.on_failed(sorted(r for r in failed if r != MPI.UNDEFINED))
 
     def _allgather(self, comm: MPI.Comm, obj: Any, which: str) -> list[Any] | None:
         out: list[Any] = []
-        ok = self._guarded(f"allgather({which})", lambda: out.extend(comm.allgather(obj)))
+        ok = self._guarded(f"allgather({which})", lambda: out.extend(comm.allgather(obj)), comm)
         return out if ok else None
 
-    def _guarded(self, name: str, fn: Callable[[], Any]) -> bool:
+    def _guarded(self, name: str, fn: Callable[[], Any], comm: MPI.Comm | None = None) -> bool:
         self._check_usable()
         if self._failed_at is not None:
             return False
@@ -217,6 +237,7 @@ class FaultTolerantWorld:
             self._failed_at = started
             log_line(f"rank {self.world_rank} epoch {self.epoch}: {name} failed with "
                      f"{_errname(e)}; revoking all communicators")
+            self._report_failed(comm)
             # [Note: revoke everything] Revoking only the global communicator HANGS a rank blocked in
             # a shard-communicator collective whose members are all alive: revoke every communicator.
             self._revoke(self._global, self._shard)

@@ -123,6 +123,8 @@ class RecoverManager:
         self._decided_at = 0.0
         bucket_sync.on_bucket = self._bucket_fault_point
         world.on_phase = self._consensus_fault_point  # phase=consensus fires inside it
+        if hasattr(world, "on_failed"):
+            world.on_failed = self._end_failed
 
     # ---------------------------------------------------------------- roles of this rank
 
@@ -376,6 +378,18 @@ class RecoverManager:
             self.ledger.close()
         self._end_excluded(frozen_only=False)
         self.world.finish()
+
+    def _end_failed(self, ranks: list[int]) -> None:
+        """Ranks the detector reported failed: end at once those frozen on this host. A frozen
+        rank keeps its sockets open, so its replica peers stay blocked in an intra-replica
+        collective (and, through their shard communicators, the other replicas) until it really
+        dies; its death frees them now instead of at their hang watchdog."""
+        frozen = [self.procs[r] for r in ranks if r < len(self.procs)
+                  and self.procs[r].state() in ("T", "t")]
+        killed = kill_local(frozen)
+        if killed:
+            print(f"[recover-hsdp] rank {self.world.world_rank}: ended frozen failed processes "
+                  f"{killed} on this host", flush=True)
 
     def _end_excluded(self, frozen_only: bool = True) -> None:
         """SIGKILL the processes of excluded replicas that run on this host: [Note: nothing
