@@ -164,6 +164,7 @@ class FakeWorld:
         self.layout = hub.layout
         self.retired = False
         self.on_phase = None  # as FaultTolerantWorld.on_phase: called with "consensus"
+        self.on_failed = None  # as FaultTolerantWorld.on_failed (no frozen processes here)
         self.closed = False
         self.calls: Counter[str] = Counter()
         self._epoch = 0

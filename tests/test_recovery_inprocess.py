@@ -393,6 +393,26 @@ def test_hook_misuse_fails_the_epoch_without_raising(misuse, reason):
             assert torch.equal(buckets[unit], oracle([0, 1], unit))
 
 
+def test_error_without_message_inside_the_hook_is_recorded_not_raised():
+    """An exception with an empty message (``str(err) == ""``) inside the hook must not escape
+    it while being formatted: it fails the epoch and is recorded as the replica's error."""
+    hub = FakeHub(2)
+
+    def rank(world):
+        def on_bucket(index, rereduce):
+            if world.replica == 0 and index == 1:
+                raise RuntimeError()
+        units, sync = make_sync(world, on_bucket)
+        sync.begin_step(contributes=True)
+        backward(units, world.replica, order=(3, 2, 1))
+        return world.epoch_failed, sync.error, uniform(world.consensus(not world.epoch_failed))
+
+    out = values_of(run_ranks(hub, rank))
+    assert out[(0, 0)][:2] == (True, "all-reduce hook: RuntimeError")
+    assert out[(1, 0)][1] is None
+    assert out[(0, 0)][2] == out[(1, 0)][2]
+
+
 # ------------------------------------------------------------------------ BucketSync, real FSDP2
 
 class Tiny(torch.nn.Module):

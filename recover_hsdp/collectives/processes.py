@@ -49,6 +49,10 @@ class ProcessInfo:
             return None
         return stat.rsplit(")", 1)[1].split()[0]
 
+    def is_frozen(self) -> bool:
+        """Stopped (SIGSTOP, or traced) on this host: it will never move by itself."""
+        return self.state() in ("T", "t")
+
     def kill(self) -> bool:
         """SIGKILL the process if it is still this process on this host. True if signalled."""
         if self.pid == os.getpid() or self.state() in (None, "Z"):

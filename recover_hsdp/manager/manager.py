@@ -44,6 +44,7 @@ from typing import Any, Callable, NoReturn, Protocol, Sequence
 import numpy as np
 
 from recover_hsdp.collectives.processes import ProcessInfo, kill_local
+from recover_hsdp.errors import one_line
 from recover_hsdp.faults import ConsensusPoint, FaultInjector, Phase
 from recover_hsdp.outputs import RunMetrics, backfill_jsonl
 from recover_hsdp.workload import DataAssignment, Role, StepPlan, WorkloadPolicy
@@ -123,8 +124,7 @@ class RecoverManager:
         self._decided_at = 0.0
         bucket_sync.on_bucket = self._bucket_fault_point
         world.on_phase = self._consensus_fault_point  # phase=consensus fires inside it
-        if hasattr(world, "on_failed"):
-            world.on_failed = self._end_failed
+        world.on_failed = self._end_failed  # a frozen rank on this host is ended at once
 
     # ---------------------------------------------------------------- roles of this rank
 
@@ -138,10 +138,6 @@ class RecoverManager:
     def saves_checkpoints(self) -> bool:
         """DCP checkpoints are written by one replica, the writer's (every rank of it)."""
         return self.replica == min(self.world.alive_replicas)
-
-    @property
-    def alive_replicas(self) -> int:
-        return len(self.world.alive_replicas)
 
     # ---------------------------------------------------------------- one step
 
@@ -178,8 +174,7 @@ class RecoverManager:
 
         An idle replica computes one microbatch and contributes zeros (its buckets must still
         reach the collectives). An error raised inside the replica (a gloo error because a peer
-        of this replica died, an OOM) fails the epoch; the replica then retires at the
-        consensus (a replica lives or dies as a unit)."""
+        of this replica died, an OOM) ends this rank: [Note: replica-local errors]."""
         data_ids = [self._data_id(plan, i) for i in ids] or [0]
         sync_started = time.perf_counter()
         try:
@@ -195,7 +190,7 @@ class RecoverManager:
                     state.stats[ids[index]] = (loss, tokens)
                 self.world.heartbeat()
         except Exception as err:  # noqa: BLE001 - any error inside the replica: it leaves
-            self.replica_error(step, _one_line(err))
+            self.replica_error(step, one_line(err))
         return sync_started
 
     def replica_error(self, step: int, reason: str) -> NoReturn:
@@ -257,7 +252,8 @@ class RecoverManager:
     def _recover(self, step: int, work: StepWork, plan: StepPlan, result, nominal_tokens: int,
                  state: _StepState):
         """Re-plan the step after a shrink; compute new extras; restore + re-reduce buckets.
-        A failed epoch in which nobody died (a transient MPI error) keeps the plan: every bucket is reduced again under the new epoch."""
+        A failed epoch in which nobody died (a transient MPI error) keeps the plan: every
+        bucket is reduced again under the new epoch."""
         started = time.perf_counter()
         if result.dead_replicas:
             plan = self.policy.replan(plan, result.dead_replicas)
@@ -306,7 +302,7 @@ class RecoverManager:
             self.faults.at(step, Phase.OPTIMIZER)
             grad_norm = work.apply_update(scale)
         except Exception as err:  # noqa: BLE001 - committed elsewhere; this replica's state is lost
-            self.replica_error(step, "optimizer: " + _one_line(err))
+            self.replica_error(step, "optimizer: " + one_line(err))
         self.policy.commit(plan)
         self._ledger_records.append(plan_record(plan, self.world.epoch))
         if self.ledger is not None:
@@ -380,16 +376,11 @@ class RecoverManager:
         self.world.finish()
 
     def _end_failed(self, ranks: list[int]) -> None:
-        """Ranks the detector reported failed: end at once those frozen on this host. A frozen
+        """Ranks a failed MPI call reported: end at once those frozen on this host. A frozen
         rank keeps its sockets open, so its replica peers stay blocked in an intra-replica
         collective (and, through their shard communicators, the other replicas) until it really
         dies; its death frees them now instead of at their hang watchdog."""
-        frozen = [self.procs[r] for r in ranks if r < len(self.procs)
-                  and self.procs[r].state() in ("T", "t")]
-        killed = kill_local(frozen)
-        if killed:
-            print(f"[recover-hsdp] rank {self.world.world_rank}: ended frozen failed processes "
-                  f"{killed} on this host", flush=True)
+        self._end_on_this_host(ranks, frozen_only=True)
 
     def _end_excluded(self, frozen_only: bool = True) -> None:
         """SIGKILL the processes of excluded replicas that run on this host: [Note: nothing
@@ -397,12 +388,15 @@ class RecoverManager:
         will never move); at the end of the run every one still there (a rank of a dead replica
         retires by itself within its grace period, so it is not killed while it leaves)."""
         alive = set(self.world.layout.alive_ranks())
-        excluded = [p for rank, p in enumerate(self.procs) if rank not in alive]
-        if frozen_only:
-            excluded = [p for p in excluded if p.state() in ("T", "t")]
-        killed = kill_local(excluded)
+        self._end_on_this_host([r for r in range(len(self.procs)) if r not in alive],
+                               frozen_only)
+
+    def _end_on_this_host(self, ranks, frozen_only: bool) -> None:
+        procs = [self.procs[r] for r in ranks if r < len(self.procs)]
+        killed = kill_local([p for p in procs if p.is_frozen()] if frozen_only else procs)
         if killed:
-            print(f"[recover-hsdp] rank {self.world.world_rank}: ended excluded processes "
+            print(f"[recover-hsdp] rank {self.world.world_rank}: ended "
+                  f"{'frozen ' if frozen_only else ''}processes of ranks out of the world "
                   f"{killed} on this host", flush=True)
 
     def _log_end_failure(self, result) -> None:
@@ -419,11 +413,6 @@ class RecoverManager:
         if self.ledger is not None:
             self.ledger.close()
         self.world.finish()
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).splitlines()[0][:300] if str(err) else ""
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _exit_now() -> None:

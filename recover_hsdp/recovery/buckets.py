@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from recover_hsdp.errors import one_line
 from recover_hsdp.recovery.fsdp_contract import check_grads_are_bucket_views, check_unit
 
 
@@ -158,7 +159,7 @@ class BucketSync:
                 self._snapshot_and_reduce(unit, tensor)
         except Exception as err:  # never raise out of the hook: see [Note: FSDP2 contract]
             if self.error is None:
-                self.error = f"all-reduce hook: {type(err).__name__}: {str(err).splitlines()[0]}"
+                self.error = f"all-reduce hook: {one_line(err)}"
             self.world.fail_epoch(self.error)
 
     def _snapshot_and_reduce(self, unit: int, tensor: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ from torchtitan.train import Trainer
 
 from recover_hsdp.collectives.processes import write_registry
 from recover_hsdp.config import validate
+from recover_hsdp.errors import one_line
 from recover_hsdp.faults import Phase
 from recover_hsdp.manager import build_manager
 from recover_hsdp.manager.bootstrap import bootstrap_replica
@@ -166,7 +167,7 @@ class RecoverTrainer(Trainer):
             try:  # a collective inside the replica: a peer lost here makes the replica leave
                 final = full_tensors(self.model_parts[0])
             except Exception as err:  # noqa: BLE001
-                manager.replica_error(self.step, f"final parameter gather: {err}".splitlines()[0])
+                manager.replica_error(self.step, f"final parameter gather: {one_line(err)}")
         if getattr(self, "_trained", False):
             manager.finish_run(lambda: self.metrics_processor.write_run_outputs(final))
         else:  # training raised on every rank (e.g. replicas diverged): record what there is
