@@ -99,6 +99,11 @@ class Recover:
     """Steps (comma-separated on the command line) at which the writer saves the full parameters before the update and
     the committed (reduced, unclipped) gradient to ``grads_step<N>.pt`` (oracle tests)."""
 
+    log_samples: bool = False
+    """Each rank writes what its replica committed to ``samples/rank<N>.jsonl`` in
+    ``job.dump_folder`` (data reference, sequence ids, CRC-32 of each sequence's tokens): a
+    per-step audit of the data (tests check it against data recomputed on one process)."""
+
     consistency_check_interval: int = 50
     """Every this many steps compare a float64 checksum of each parameter shard across replicas
     and stop with an error if they diverged (one pass over the local shard + one float per rank
@@ -196,10 +201,7 @@ def validate(job_config, world_size: int | None = None) -> None:
                                  data_assignment=rc.data_assignment, g_raise=rc.g_raise)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if rc.data_assignment == "exact" and job_config.training.dataset != "local_corpus":
-        raise ConfigError(f"recover.data_assignment=exact needs an indexable dataset, and "
-                          f"training.dataset={job_config.training.dataset!r} is a stream: use "
-                          "data_assignment = \"stream\" or dataset = \"local_corpus\"")
+    _check_dataset(job_config)
     bad_steps = [s for s in rc.dump_step_gradients if not str(s).strip().isdigit()]
     if bad_steps:
         raise ConfigError(f"recover.dump_step_gradients={bad_steps[0]!r} is not a step number: "
@@ -223,6 +225,29 @@ def validate(job_config, world_size: int | None = None) -> None:
         if getattr(par, name) != 1:
             raise ConfigError(f"parallelism.{name}={getattr(par, name)}: recover-hsdp supports "
                               "FSDP/HSDP only; set it to 1")
+
+
+STREAMING_DATASETS = ("c4", "c4_validation")
+"""TorchTitan datasets whose loader streams (``load_dataset(..., streaming=True)``); any other
+dataset that loads as a stream is refused at start-up by the exact-mode packer."""
+
+
+def _check_dataset(job_config) -> None:
+    """Dataset x data assignment combinations that cannot work, each refused in one line."""
+    training, rc = job_config.training, job_config.recover
+    if rc.data_assignment == "exact" and training.dataset in STREAMING_DATASETS:
+        raise ConfigError(f"recover.data_assignment=exact needs a map-style dataset (global "
+                          f"microbatch ids), and training.dataset={training.dataset!r} is a "
+                          "stream: use data_assignment = \"stream\", or a map-style dataset "
+                          "(e.g. \"local_corpus\", \"c4_test\")")
+    if training.dataset in STREAMING_DATASETS and not training.dataset_path:
+        raise ConfigError(f"training.dataset_path is empty for training.dataset="
+                          f"{training.dataset!r}: jobs never download; point it at a local copy "
+                          "of allenai/c4 (its README.md and en/c4-*.json.gz, see the README)")
+    if training.dataset_path and training.dataset != "local_corpus" \
+            and not Path(training.dataset_path).exists():
+        raise ConfigError(f"training.dataset_path={training.dataset_path!r} does not exist: "
+                          f"point it at the local copy of {training.dataset!r}")
 
 
 def _refuse_unsupported(job_config) -> None:

@@ -30,7 +30,7 @@ def clear_run_files(out_dir: str | Path) -> list[str]:
         if path.exists():
             path.unlink()
             removed.append(path.name)
-    for folder in ("membership", "errors"):  # the arbiter's claims, replica-local errors
+    for folder in ("membership", "errors", "samples"):  # arbiter claims, replica errors, data log
         if (out_dir / folder).is_dir():
             shutil.rmtree(out_dir / folder)
             removed.append(f"{folder}/")

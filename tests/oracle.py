@@ -12,7 +12,7 @@ def recompute_gradient(params: dict[str, torch.Tensor], committed_ids: list[int]
     """Sum over ``committed_ids`` of each microbatch's gradient (all S shard slices), with the
     loss normalised by the step's nominal token count, exactly as the trainer does."""
     from recover_hsdp.titan import cpu_runtime, model_spec
-    from recover_hsdp.titan.data import load_local_sequences, microbatch_sequence_ids
+    from recover_hsdp.titan.data import load_sequences, microbatch_sequence_ids
 
     cpu_runtime.install()
     model_spec.register()
@@ -27,7 +27,7 @@ def recompute_gradient(params: dict[str, torch.Tensor], committed_ids: list[int]
     model = spec.model_cls(args)
     model.load_state_dict(params)
     loss_fn = spec.build_loss_fn(cfg)
-    sequences = load_local_sequences(cfg)
+    sequences = load_sequences(cfg, tokenizer=None)
     lbs, seq = cfg.training.local_batch_size, cfg.training.seq_len
     nominal = len(committed_ids) * ranks_per_replica * lbs * seq
     for microbatch in committed_ids:

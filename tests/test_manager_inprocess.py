@@ -27,6 +27,11 @@ from recover_hsdp.workload.ledger import read_ledger
 UNITS, WIDTH, TOKENS = 3, 4, 8
 
 
+def data_number(data, initial_replicas: int) -> int:
+    """One integer per microbatch of data: a global id, or slot s's position p -> p * W + s."""
+    return data.index if data.stream is None else data.index * initial_replicas + data.stream
+
+
 def grad_of(data_id: int, unit: int, shard: int) -> torch.Tensor:
     """The stand-in model's gradient of one microbatch (small integers: sums are exact)."""
     base = torch.arange(WIDTH, dtype=torch.float32)
@@ -60,11 +65,13 @@ class StandInWork:
         self.update_errors = update_errors or {}
         self.transient = set(transient)
         self.step = 0
+        self.initial_replicas = 1
 
     def set_gradient_sync(self, enabled: bool) -> None:
         self.sync = enabled
 
-    def forward_backward(self, data_id, nominal_tokens, before_backward):
+    def forward_backward(self, data, nominal_tokens, before_backward):
+        data_id = data_number(data, self.initial_replicas)
         if self.step in self.errors:
             raise RuntimeError(self.errors.pop(self.step))
         if self.step in self.transient:  # an MPI-level failure in which nobody dies
@@ -111,6 +118,7 @@ def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", kee
         key = (world.replica, world.shard)
         work = StandInWork(world, units, errors.get(key), update_errors.get(key),
                            transient.get(key, set()))
+        work.initial_replicas = replicas
         for step in range(1, steps + 1):
             work.step = step
             record = manager.step(step, work)
@@ -126,7 +134,7 @@ def oracle(entry, shard: int, initial_replicas: int) -> list[torch.Tensor]:
     total = [torch.zeros(WIDTH) for _ in range(UNITS)]
     for replica, ids in entry.committed.items():
         for mb in ids:
-            data_id = mb if entry.mode == "exact" else mb * initial_replicas + replica
+            data_id = mb if entry.mode == "exact" else mb * initial_replicas + entry.slots[replica]
             for unit in range(UNITS):
                 total[unit] += grad_of(data_id, unit, shard)
     return total

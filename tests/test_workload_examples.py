@@ -1,12 +1,13 @@
 """Explicit cases of the workload policy, the paper's replay table, the ledger and validation."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from recover_hsdp.workload.ledger import LEDGER_NAME, LedgerWriter, plan_record, read_ledger
-from recover_hsdp.workload import (DataAssignment, Role, WorkloadPolicy,
-                                   validate_workload_fields)
+from recover_hsdp.workload import (DataAssignment, DataRef, ReplicaAssignment, Role,
+                                   WorkloadPolicy, validate_workload_fields)
 from recover_hsdp.workload.replay import main as replay_main
 from recover_hsdp.workload.replay import replay
 
@@ -110,7 +111,7 @@ def test_replan_rejects_unknown_replicas():
         p.replan(p.plan(0), [9])
 
 
-def test_stream_cursors_advance_by_everything_computed():
+def test_stream_cursors_advance_by_everything_committed():
     p = policy(4, 3, alive_replicas=[0, 1, 2])          # G = 4: 3 majors, no spare
     plan = p.replan(p.plan(0), [2])                     # 4 extras on 2 survivors
     p.commit(plan)
@@ -128,6 +129,43 @@ def test_restart_from_state_with_fewer_replicas_keeps_b():
     plan = again.plan(1)
     assert plan.committed_total() == 256 and plan.g == 13 and again.step == 1
     assert again.cursors[5] == 9                        # replica 5 ran one extra in step 0
+
+
+def test_stream_spare_draws_nothing_and_its_positions_stay_contiguous():
+    q = policy(6, 2, alive_replicas=range(5))           # B = 12, W = 5: G = 3, 4 majors, 1 spare
+    plan = q.plan(0)
+    spare = plan.assignment(4)
+    assert spare.role is Role.SPARE and spare.compute_ids == (0, 1, 2)
+    q.commit(plan)
+    assert q.cursors[4] == 0                            # a spare consumes nothing ...
+    assert q.plan(1).assignment(4).compute_ids == (0, 1, 2)   # ... and computes them again
+    plan = q.replan(q.replan(q.plan(1), [1]), [0])      # spare promoted for 1, then 0's 3 extras
+    assert plan.assignment(4).promoted and plan.assignment(4).extra_ids == (3,)
+    q.commit(plan)
+    assert q.cursors[4] == 4 and q.orphaned_slots() == {0: 3, 1: 3}
+    # an unpromoted spare (or idle replica) commits only extras: from its cursor, not after
+    # the compute it discards, so its committed positions have no hole
+    idle = ReplicaAssignment(7, Role.SPARE, (5, 6, 7), stream_start=5, slot=7)
+    assert idle.next_extra_position() == 5
+    assert replace(idle, extra_ids=(5,)).next_extra_position() == 6
+    assert replace(idle, promoted=True).next_extra_position() == 8
+
+
+def test_restart_maps_replicas_to_the_slots_that_were_read():
+    p = policy(4, 1)                                    # B = 4
+    p.commit(p.plan(0))
+    p.commit(p.replan(p.plan(1), [1]))                  # slot 1 orphaned at cursor 1
+    assert p.orphaned_slots() == {1: 1} and p.cursors == {0: 3, 1: 1, 2: 2, 3: 2}
+    state = json.loads(json.dumps(p.state_dict()))
+    same = WorkloadPolicy.from_state_dict(state)
+    assert same.slot_of(2) == 2 and same.unread_slots == (1,)
+    fewer = WorkloadPolicy.from_state_dict(state, alive_replicas=range(2))
+    assert [fewer.slot_of(r) for r in (0, 1)] == [0, 2] and fewer.unread_slots == (1, 3)
+    plan = fewer.plan(2)
+    assert plan.assignment(1).data_ref(plan.assignment(1).compute_ids[0]) == DataRef(2, 2)
+    more = WorkloadPolicy.from_state_dict(state, alive_replicas=range(4))
+    assert [more.slot_of(r) for r in range(4)] == [0, 2, 3, 1]   # the orphan last, at cursor 1
+    assert more.plan(2).assignment(3).compute_ids[0] == 1 and more.unread_slots == ()
 
 
 # ---- the paper's example -----------------------------------------------------------------------

@@ -89,7 +89,7 @@ def check_fresh(policy: WorkloadPolicy, plan: StepPlan) -> None:
         if a.role is Role.IDLE:
             assert a.compute_ids == ()
         if not exact:
-            start = policy.cursors.get(a.replica, 0)
+            start = policy.cursors.get(a.slot, 0)
             assert a.compute_ids == tuple(range(start, start + len(a.compute_ids)))
 
 
@@ -170,7 +170,7 @@ def run(sc: dict, check: bool) -> list[StepPlan]:
         alive = list(policy.alive)
         if check and not exact:
             for a in plan.assignments:
-                assert policy.cursors[a.replica] == a.stream_start + a.computed_count
+                assert policy.cursors[a.slot] == a.stream_start + a.quota
     return plans
 
 

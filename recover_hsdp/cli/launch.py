@@ -84,6 +84,11 @@ def read_job_config(config_file: str | Path, overrides: list[str]):
         raise ConfigError(f"--config {config_file}: {first}: fix the file or the override") from None
 
 
+OFFLINE = {name: os.environ.get(name, "1") for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+"""Jobs never download: Hugging Face libraries are told so (a missing local file then fails
+at once, naming it, instead of timing out on a network that is not there)."""
+
+
 def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
     """The command line of the job and its output folder. The config is read once here through
     TorchTitan's ``ConfigManager`` with exactly the arguments every rank will get, and checked
@@ -114,7 +119,7 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
         torchrun = _tool("torchrun") or "torchrun"
         launcher = [torchrun, "--standalone", "--nproc_per_node", str(ranks)]
     else:
-        threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **OFFLINE}
         extra = [*heartbeat_detector_args(job.recover.detect_timeout_s), *args.mpi_arg]
         if args.hostfile:
             extra += ["--hostfile", str(args.hostfile)]
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if removed:
         print(f"recover-hsdp: {out}: removed the earlier run's {', '.join(removed)}", flush=True)
     print("+ " + " ".join(command), flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **OFFLINE}
     returncode = supervise(command, env, out, args.end_grace)
     summary_path = out / "summary.json"
     # [Note: mpirun exit code] With --with-ft ulfm, mpirun exits 0 even when ranks died, so

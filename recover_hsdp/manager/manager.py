@@ -47,7 +47,7 @@ from recover_hsdp.collectives.processes import ProcessInfo, kill_local
 from recover_hsdp.errors import one_line
 from recover_hsdp.faults import ConsensusPoint, FaultInjector, Phase
 from recover_hsdp.outputs import RunMetrics, backfill_jsonl
-from recover_hsdp.workload import DataAssignment, Role, StepPlan, WorkloadPolicy
+from recover_hsdp.workload import DataAssignment, DataRef, Role, StepPlan, WorkloadPolicy
 from recover_hsdp.workload.ledger import LedgerWriter, plan_record
 
 
@@ -57,11 +57,11 @@ class StepWork(Protocol):
     def set_gradient_sync(self, enabled: bool) -> None:
         """FSDP gradient sync on (last microbatch) or off (accumulate locally)."""
 
-    def forward_backward(self, data_id: int, nominal_tokens: int,
+    def forward_backward(self, data: DataRef, nominal_tokens: int,
                          before_backward: Callable[[], None]) -> tuple[float, int]:
-        """Forward + backward of dataset microbatch ``data_id``, loss divided by
-        ``nominal_tokens``; ``before_backward()`` between the two (a fault-injection point).
-        Returns (that loss as a float, valid label tokens)."""
+        """Forward + backward of the microbatch at ``data`` (a global id, or a position in a
+        stream slot), loss divided by ``nominal_tokens``; ``before_backward()`` between the two
+        (a fault-injection point). Returns (that loss as a float, valid label tokens)."""
 
     def apply_update(self, grad_scale: float) -> float:
         """Scale the reduced gradient by ``grad_scale`` (1.0: no-op), clip, optimizer and LR
@@ -119,6 +119,7 @@ class RecoverManager:
         if self.is_writer:  # the run's first writer starts the ledger afresh
             (self.out_dir / "ledger.jsonl").unlink(missing_ok=True)
             self.ledger = LedgerWriter(self.out_dir)
+        self.committed_data: list[DataRef] = []  # this replica's data in the last committed step
         self._contract_checked = False
         self._current_step = 0
         self._decided_at = 0.0
@@ -150,7 +151,7 @@ class RecoverManager:
         mine = plan.assignment(self.replica)
         nominal_tokens = plan.global_microbatches * self.tokens_per_microbatch
         sync.begin_step(contributes=mine.commits_compute)
-        sync_started = self._compute(step, work, plan, mine.compute_ids, nominal_tokens, state)
+        sync_started = self._compute(step, work, mine, mine.compute_ids, nominal_tokens, state)
         self.faults.at(step, Phase.GRAD_SYNC, bucket=len(sync.buckets),
                        buckets_total=len(sync.buckets))
         state.sync_time_s = time.perf_counter() - sync_started
@@ -168,14 +169,15 @@ class RecoverManager:
             plan, mine, totals = self._recover(step, work, plan, result, nominal_tokens, state)
         return self._commit(step, work, plan, totals, nominal_tokens, state)
 
-    def _compute(self, step: int, work: StepWork, plan: StepPlan, ids: Sequence[int],
+    def _compute(self, step: int, work: StepWork, mine, ids: Sequence[int],
                  nominal_tokens: int, state: _StepState) -> float:
         """Forward/backward of ``ids`` (FSDP syncs on the last one). Returns when sync began.
 
-        An idle replica computes one microbatch and contributes zeros (its buckets must still
-        reach the collectives). An error raised inside the replica (a gloo error because a peer
-        of this replica died, an OOM) ends this rank: [Note: replica-local errors]."""
-        data_ids = [self._data_id(plan, i) for i in ids] or [0]
+        An idle replica computes one microbatch (the next of its stream, not consumed) and
+        contributes zeros (its buckets must still reach the collectives). An error raised
+        inside the replica (a gloo error because a peer of this replica died, an OOM) ends this
+        rank: [Note: replica-local errors]."""
+        data_ids = [mine.data_ref(i) for i in ids] or [mine.data_ref(mine.stream_start or 0)]
         sync_started = time.perf_counter()
         try:
             for index, data_id in enumerate(data_ids):
@@ -232,13 +234,6 @@ class RecoverManager:
                     f"rank {record['rank']} step {record['step']}: {record['reason']}")
         return found
 
-    def _data_id(self, plan: StepPlan, microbatch: int) -> int:
-        """Dataset microbatch id: global ids in exact mode; in stream mode replica r's shard of
-        the endless stream is ids r, r + W_init, r + 2 W_init, ..."""
-        if plan.data_assignment is DataAssignment.EXACT:
-            return microbatch
-        return microbatch * self.policy.initial_replicas + self.replica
-
     def _committed_totals(self, mine, state: _StepState) -> np.ndarray:
         """Global (loss, valid tokens) of the committed microbatches; a failed reduce returns
         garbage and fails the epoch (recomputed after the repair)."""
@@ -262,7 +257,7 @@ class RecoverManager:
         self._take_over_writer_duties()
         if new_extras:
             self.bucket_sync.begin_extras()
-            self._compute(step, work, plan, new_extras, nominal_tokens, state)
+            self._compute(step, work, mine, new_extras, nominal_tokens, state)
             work.set_gradient_sync(True)
         state.extras_done = mine.extra_ids
         extra_s = time.perf_counter() - started
@@ -276,6 +271,7 @@ class RecoverManager:
             "extra_microbatches": plan.extras_total(), "promoted": list(plan.promoted()),
             "repair_rounds": result.rounds, "decided_at": self._decided_at,
             "errors": self._replica_errors(result.dead_replicas),
+            **self._unread_streams(result.dead_replicas),
         })
         return plan, mine, totals
 
@@ -304,6 +300,8 @@ class RecoverManager:
         except Exception as err:  # noqa: BLE001 - committed elsewhere; this replica's state is lost
             self.replica_error(step, "optimizer: " + one_line(err))
         self.policy.commit(plan)
+        mine = plan.assignment(self.replica)
+        self.committed_data = [mine.data_ref(i) for i in sorted(mine.committed_ids)]
         self._ledger_records.append(plan_record(plan, self.world.epoch))
         if self.ledger is not None:
             self.ledger.append(plan, self.world.epoch)
@@ -341,6 +339,35 @@ class RecoverManager:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.policy = WorkloadPolicy.from_state_dict(state,
                                                      alive_replicas=self.world.alive_replicas)
+        if self.policy.unread_slots:
+            self.outputs.log_event({
+                "step": self.policy.step, "phase": "restart", "unread_streams": {
+                    str(s): self.policy.cursors.get(s, 0) for s in self.policy.unread_slots},
+                "slots": {str(r): self.policy.slot_of(r) for r in self.policy.alive}})
+
+    def _unread_streams(self, dead) -> dict[str, Any]:
+        """[Note: stream slots] the stream slots of ``dead`` replicas stop at their cursor:
+        the record of what is left unread (stream mode; nothing in exact mode)."""
+        if self.policy.data_assignment is not DataAssignment.STREAM:
+            return {}
+        slots = {self.policy.slot_of(r) for r in dead}
+        return {"unread_streams": {str(s): self.policy.cursors.get(s, 0) for s in sorted(slots)}}
+
+    def gather_for_checkpoint(self, local: Any) -> dict[int, Any]:
+        """Every alive replica's ``local`` (this shard's), agreed by all, for a checkpoint that
+        one replica writes ([Note: one replica saves]): e.g. the stream loaders' positions.
+        A death during the gather makes the agreement unclean: the world is repaired and the
+        survivors gather again (each round needs a new death). Returns replica -> value."""
+        while True:
+            values = self.world.allgather(local)
+            result = self.world.consensus(values is not None and not self.world.epoch_failed)
+            if result.retire:
+                self.world.retire("checkpoint")
+            if result.clean:
+                return dict(zip(self.world.alive_replicas, values))
+            self._log_failure_between_steps(result, "checkpoint")
+            self._end_excluded()
+            self._take_over_writer_duties()
 
     def finish_run(self, write_outputs: Callable[[], None]) -> None:
         """End of the run on every surviving rank; see [Note: the end of a run].
@@ -357,7 +384,7 @@ class RecoverManager:
             if result.retire:
                 self.world.retire("end of run")
             if not result.clean:
-                self._log_end_failure(result)
+                self._log_failure_between_steps(result, "end of run")
                 self._end_excluded()
             self._take_over_writer_duties()
             if self.is_writer:
@@ -368,7 +395,7 @@ class RecoverManager:
                 self.world.retire("end of run")
             if result.clean:
                 break
-            self._log_end_failure(result)
+            self._log_failure_between_steps(result, "end of run")
             self._end_excluded()
         if self.ledger is not None:
             self.ledger.close()
@@ -399,13 +426,14 @@ class RecoverManager:
                   f"{'frozen ' if frozen_only else ''}processes of ranks out of the world "
                   f"{killed} on this host", flush=True)
 
-    def _log_end_failure(self, result) -> None:
+    def _log_failure_between_steps(self, result, phase: str) -> None:
         self.outputs.log_event({
-            "step": self._current_step, "epoch": result.epoch, "phase": "end of run",
+            "step": self._current_step, "epoch": result.epoch, "phase": phase,
             "dead_replicas": sorted(result.dead_replicas),
             "alive_replicas": list(result.alive_replicas), "detect_s": result.detect_s,
             "repair_s": result.repair_s, "repair_rounds": result.rounds,
-            "errors": self._replica_errors(result.dead_replicas)})
+            "errors": self._replica_errors(result.dead_replicas),
+            **self._unread_streams(result.dead_replicas)})
 
     def close(self) -> None:
         """Without ``finish_run`` (a run that failed): close the ledger, then the world's last

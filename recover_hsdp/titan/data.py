@@ -1,4 +1,4 @@
-"""Data with no network: a local corpus + BPE tokenizer, and an indexable microbatch dataset.
+"""Data with no network: a local corpus + BPE tokenizer, packed map-style data, the dataloaders.
 
 The CPU default (``training.dataset = "local_corpus"``) builds, on first use and once per cache
 directory, a text corpus from the Python standard library sources present on every machine and a
@@ -15,12 +15,21 @@ forward/backward: ``S * local_batch_size`` sequences, ``local_batch_size`` per s
 
 In the failure-free run replica r's g-th microbatch of step t (t from 0) is ``t*B + r*G + g``;
 stock HSDP and the MPI path both use that mapping, which is what makes them comparable step by
-step, and the ``exact`` data assignment relies on it after failures.
+step, and the ``exact`` data assignment relies on it after failures. Any map-style Hugging Face
+dataset (e.g. ``c4_test``, or a local C4-format JSON file registered as a TorchTitan dataset)
+is packed the same way: every document tokenised once with the job's tokenizer (BOS + text +
+EOS, as TorchTitan does), concatenated and cached under ``job.dump_folder/data_cache``.
+
+:func:`build_dataloader` is the TrainSpec's dataloader: on the MPI path a microbatch source
+(``recover_hsdp.titan.sources``, [Note: microbatch sources]); on the stock path TorchTitan's
+own loaders (exact: the failure-free iteration of the packed windows; stream: TorchTitan's text
+dataloader over R x S parts, which the stream source reads identically per slot).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import sysconfig
@@ -227,10 +236,77 @@ class MicrobatchDataLoader(BaseDataLoader):
             self.consumed = int(state_dict["steps_consumed"]) * self.microbatches_per_replica
 
 
-def load_local_sequences(job_config) -> PackedSequences:
-    cache = ensure_local_corpus(job_config.training.dataset_path)
-    tokens = np.load(cache / "tokens.npy", mmap_mode="r")
+def load_sequences(job_config, tokenizer) -> PackedSequences:
+    """The packed windows of the job's map-style dataset (exact mode)."""
+    if job_config.training.dataset == LOCAL_CORPUS:
+        tokens = np.load(ensure_local_corpus(job_config.training.dataset_path) / "tokens.npy",
+                         mmap_mode="r")
+    else:
+        tokens = np.load(pack_dataset(job_config, tokenizer), mmap_mode="r")
     return PackedSequences(tokens, job_config.training.seq_len, seed=job_config.recover.data_seed)
+
+
+def _dataset_entry(job_config):
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    from recover_hsdp.errors import ConfigError
+
+    name = job_config.training.dataset
+    if name not in DATASETS:
+        raise ConfigError(f"training.dataset={name!r} is not a registered TorchTitan text dataset: "
+                          f"use one of {', '.join(sorted(DATASETS))}")
+    entry = DATASETS[name]
+    return entry, job_config.training.dataset_path or entry.path
+
+
+def pack_dataset(job_config, tokenizer) -> Path:
+    """Tokenise a map-style dataset once (BOS + text + EOS per document, in dataset order) into
+    one int32 token file; cached per (dataset, path, tokenizer) under the run's folder, built by
+    one rank per host under a lock, written atomically."""
+    from datasets import Dataset
+
+    from recover_hsdp.errors import ConfigError
+
+    entry, path = _dataset_entry(job_config)
+    assets = Path(job_config.model.hf_assets_path or ".") / "tokenizer.json"
+    fingerprint = hashlib.sha256(assets.read_bytes() if assets.is_file() else b"").hexdigest()
+    key = hashlib.sha256(json.dumps([job_config.training.dataset, str(Path(path).resolve()),
+                                     fingerprint]).encode()).hexdigest()[:16]
+    target = Path(job_config.job.dump_folder) / "data_cache" / f"{job_config.training.dataset}-{key}.npy"
+    if target.exists():
+        return target
+    with _file_lock(target.with_suffix(".lock")):
+        if target.exists():
+            return target
+        dataset = entry.loader(path)
+        if not isinstance(dataset, Dataset):
+            raise ConfigError(
+                f"recover.data_assignment=exact needs a map-style dataset and "
+                f"training.dataset={job_config.training.dataset!r} loads as a stream "
+                f"({type(dataset).__name__}): use data_assignment = \"stream\"")
+        stream: list[int] = []
+        for sample in dataset:
+            stream.extend(tokenizer.encode(entry.sample_processor(sample), add_bos=True,
+                                           add_eos=True))
+        tmp = target.with_suffix(".tmp.npy")
+        np.save(tmp, np.asarray(stream, dtype=np.int32))
+        os.replace(tmp, target)
+    return target
+
+
+def open_stream_part(job_config, tokenizer):
+    """``(part, parts) -> TorchTitan HuggingFaceTextDataset`` of the job's dataset (infinite)."""
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    _dataset_entry(job_config)  # a clear error for an unknown name
+
+    def open_part(part: int, parts: int):
+        return HuggingFaceTextDataset(
+            dataset_name=job_config.training.dataset, dataset_path=job_config.training.dataset_path,
+            tokenizer=tokenizer, seq_len=job_config.training.seq_len, dp_rank=part,
+            dp_world_size=parts, infinite=True)
+
+    return open_part
 
 
 def build_tokenizer(job_config):
@@ -268,17 +344,26 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) ->
     passes only the replica's torch world; the replica id then comes from the MPI bootstrap.
     """
     from recover_hsdp.config import microbatches_per_replica
+    from recover_hsdp.titan.sources import ExactSource, StreamSource
 
     replicas, replica, ranks_per_replica, shard = resolve_replica_layout(
         job_config, dp_world_size, dp_rank)
-    if job_config.training.dataset != LOCAL_CORPUS:
+    lbs = job_config.training.local_batch_size
+    stream = job_config.recover.data_assignment == "stream"
+    if job_config.recover.enable:  # the MPI path: [Note: microbatch sources]
+        if stream:
+            return StreamSource(open_stream_part(job_config, tokenizer), shard=shard,
+                                ranks_per_replica=ranks_per_replica, slots=replicas,
+                                local_batch_size=lbs)
+        return ExactSource(load_sequences(job_config, tokenizer), shard=shard,
+                           ranks_per_replica=ranks_per_replica, local_batch_size=lbs)
+    if stream:  # stock TorchTitan: its own text dataloader over the R x S parts
         from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
         return build_text_dataloader(replicas * ranks_per_replica,
                                      replica * ranks_per_replica + shard, tokenizer, job_config)
-    lbs = job_config.training.local_batch_size
     return MicrobatchDataLoader(
-        load_local_sequences(job_config), replica=replica, replicas=replicas, shard=shard,
+        load_sequences(job_config, tokenizer), replica=replica, replicas=replicas, shard=shard,
         ranks_per_replica=ranks_per_replica, local_batch_size=lbs,
         microbatches_per_replica=microbatches_per_replica(
             lbs, job_config.training.global_batch_size, replicas * ranks_per_replica),

@@ -33,6 +33,8 @@ from recover_hsdp.faults import Phase
 from recover_hsdp.manager import build_manager
 from recover_hsdp.manager.bootstrap import bootstrap_replica
 from recover_hsdp.titan.metrics import full_tensors
+from recover_hsdp.titan.sources import SampleLog
+from recover_hsdp.workload import DataRef
 
 
 class ReplicaCheckpointer:
@@ -48,6 +50,14 @@ class ReplicaCheckpointer:
         self._inner, self._manager = inner, manager
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
+        inner = self._inner
+        if not inner._should_save(curr_step, last_step):
+            return
+        if not (last_step and inner.last_save_model_only):  # the loader state goes in too
+            source = inner.states["dataloader"]
+            if self._manager.policy.data_assignment.value == "stream":
+                states = self._manager.gather_for_checkpoint(source.checkpoint_state())
+                source.set_gathered(states.values())
         if self._manager.saves_checkpoints:
             with self._manager.world.watchdog_paused():
                 # phase=checkpoint: in the save call of that step (choose a step a save is due)
@@ -73,6 +83,9 @@ class RecoverTrainer(Trainer):
         if self.replica_world.layout.world_rank == 0:  # for the launcher's final clean-up
             write_registry(job_config.job.dump_folder, self.replica_world.procs)
         self.checkpointer = ReplicaCheckpointer(self.checkpointer, self.manager)
+        if job_config.recover.log_samples:
+            self.dataloader.sample_log = SampleLog(job_config.job.dump_folder,
+                                                   self.replica_world.layout.world_rank)
 
     def init_distributed(self) -> ParallelDims:
         layout = self.replica_world.layout
@@ -94,6 +107,7 @@ class RecoverTrainer(Trainer):
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         record = self.manager.step(self.step, self)
+        self.dataloader.consume(self.step, self.manager.committed_data)
         record["lr"] = lr
         record["step_time_s"] = time.perf_counter() - started
         alive_ranks = record["alive_replicas"] * self.replica_world.layout.ranks_per_replica
@@ -106,8 +120,8 @@ class RecoverTrainer(Trainer):
     def set_gradient_sync(self, enabled: bool) -> None:
         self.model_parts[0].set_requires_gradient_sync(enabled)
 
-    def forward_backward(self, data_id: int, nominal_tokens: int, before_backward):
-        input_dict, labels = self.dataloader.batch(data_id)
+    def forward_backward(self, data: DataRef, nominal_tokens: int, before_backward):
+        input_dict, labels = self.dataloader.microbatch(data)  # [Note: microbatch sources]
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
             {k: v.to(self.device) for k, v in input_dict.items()}, labels.to(self.device))
         with self.train_context(), self.maybe_enable_amp:

@@ -4,8 +4,8 @@ Each line records what the step summed, so an oracle can recompute the step's gr
 process: the step, the world epoch it was committed under, G, the alive replicas, the failures seen
 during the step, and per replica its role, committed microbatch ids, extras and discarded ids (an
 unpromoted spare's compute), plus the work of replicas that died during the step (discarded too).
-In stream mode the ids are positions in the replica's own shard and `stream_start` is the replica's
-cursor at the start of the step; in exact mode they are global microbatch ids.
+In stream mode the ids are positions in the stream `slot` the replica reads and `stream_start` is
+that slot's cursor at the start of the step; in exact mode they are global microbatch ids.
 
 Invariant kept by the writer (it refuses the line otherwise): the committed ids of a line sum to B.
 One rank writes (the trainer picks the lowest surviving rank); each line is flushed before the next
@@ -33,6 +33,7 @@ def plan_record(plan: StepPlan, epoch: int) -> dict:
                  "promoted": a.promoted}
         if a.stream_start is not None:
             entry["stream_start"] = a.stream_start
+            entry["slot"] = a.slot
         replicas[str(a.replica)] = entry
     return {"step": plan.step, "epoch": epoch, "mode": plan.data_assignment.value,
             "global_microbatches": plan.global_microbatches, "g": plan.g,
@@ -92,6 +93,7 @@ class LedgerEntry:
     discarded: dict[int, tuple[int, ...]]
     stream_start: dict[int, int]
     lost: dict[int, tuple[int, ...]]
+    slots: dict[int, int]
 
     @property
     def committed_total(self) -> int:
@@ -99,9 +101,10 @@ class LedgerEntry:
         return sum(len(ids) for ids in self.committed.values())
 
     def committed_keys(self) -> set[tuple[int, int]]:
-        """Committed microbatches as unique keys: (-1, id) exact, (replica, position) stream."""
+        """Committed microbatches as unique keys: (-1, id) exact, (slot, position) stream."""
         exact = self.mode == "exact"
-        return {(-1 if exact else r, i) for r, ids in self.committed.items() for i in ids}
+        return {(-1 if exact else self.slots.get(r, r), i)
+                for r, ids in self.committed.items() for i in ids}
 
 
 def _entry(rec: dict) -> LedgerEntry:
@@ -116,7 +119,8 @@ def _entry(rec: dict) -> LedgerEntry:
         extra={r: tuple(e["extra"]) for r, e in reps.items()},
         discarded={r: tuple(e["discarded"]) for r, e in reps.items()},
         stream_start={r: e["stream_start"] for r, e in reps.items() if "stream_start" in e},
-        lost={int(r): tuple(ids) for r, ids in rec["lost"].items()})
+        lost={int(r): tuple(ids) for r, ids in rec["lost"].items()},
+        slots={r: e["slot"] for r, e in reps.items() if e.get("slot") is not None})
 
 
 def read_ledger(path: str | os.PathLike) -> list[LedgerEntry]:

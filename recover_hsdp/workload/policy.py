@@ -25,8 +25,11 @@ extras <= max(previous max, ceil(E / W_s)), E the survivors' extras, W_s the sur
 ceil(G / (W - 1)) extras: a single microbatch time when W - 1 >= G, more rounds below that.
 
 Data assignment (`DataAssignment`):
-  stream  (the paper) ids are positions in the replica's own endless shard; a per-replica cursor
-          advances by everything the replica computed (committed or not).
+  stream  (the paper) ids are positions in the replica's own endless stream, its *slot* (see
+          [Note: stream slots]); the slot's cursor advances by what the replica committed, so
+          the positions a replica commits are contiguous from its cursor and a spare draws 0:
+          it computes the next G positions without consuming them (they are drawn again next
+          step), and an unpromoted spare's extras are those same first positions.
   exact   ids are global: step t commits exactly t*B .. t*B+B-1. Contributing replicas (majors,
           then the minor, in id order) take contiguous blocks, so with W_init replicas, G_init each
           and no spares, replica r's g-th microbatch is t*B + r*G_init + g: stock HSDP's layout.
@@ -44,7 +47,7 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
 
 class Role(str, Enum):
@@ -61,6 +64,14 @@ class DataAssignment(str, Enum):
 
     STREAM = "stream"
     EXACT = "exact"
+
+
+class DataRef(NamedTuple):
+    """Where a microbatch's data is: ``stream`` None and ``index`` a global microbatch id
+    (exact), or ``stream`` a slot and ``index`` a position in that slot's stream (stream)."""
+
+    stream: int | None
+    index: int
 
 
 class GRaise(str, Enum):
@@ -95,7 +106,8 @@ class ReplicaAssignment:
     compute_ids: microbatches computed before the gradient sync (global ids in exact mode, positions
     in the replica's own shard in stream mode); extra_ids: microbatches added by replans (boundary
     step); promoted: a spare whose compute is committed; shadow_of: the contributor whose ids an
-    exact-mode spare holds; stream_start: the replica's shard cursor at the start of the step.
+    exact-mode spare holds; stream_start: the cursor of the replica's stream slot at the start of
+    the step; slot: that stream slot (stream mode).
     """
 
     replica: int
@@ -105,6 +117,7 @@ class ReplicaAssignment:
     promoted: bool = False
     shadow_of: int | None = None
     stream_start: int | None = None
+    slot: int | None = None
 
     @property
     def commits_compute(self) -> bool:
@@ -130,6 +143,17 @@ class ReplicaAssignment:
     def computed_count(self) -> int:
         """Number of microbatches this replica computes this iteration, extras included."""
         return len(self.compute_ids) + len(self.extra_ids)
+
+    def data_ref(self, microbatch: int) -> DataRef:
+        """The data of one of this replica's microbatch ids."""
+        return DataRef(self.slot, microbatch)
+
+    def next_extra_position(self) -> int:
+        """Stream mode: the position of this replica's next extra microbatch. Committed
+        positions stay contiguous from the cursor: after a committed compute, else (an
+        unpromoted spare or idle replica) from the cursor itself."""
+        kept = len(self.compute_ids) if self.commits_compute else 0
+        return self.stream_start + kept + len(self.extra_ids)
 
 
 @dataclass(frozen=True)
@@ -239,7 +263,9 @@ class WorkloadPolicy:
         self.step = 0
         self.alive = _sorted_ids(range(initial_replicas) if alive_replicas is None
                                  else alive_replicas)
-        self.cursors: dict[int, int] = {}
+        self.cursors: dict[int, int] = {}   # stream slot -> positions committed
+        self.slots: dict[int, int] = {}     # replica -> stream slot (default: its own id)
+        self.unread_slots: tuple[int, ...] = ()  # slots no replica reads since a restart
 
     # ---- policy rules -------------------------------------------------------------------------
     def g_for(self, alive_count: int) -> int:
@@ -273,10 +299,12 @@ class WorkloadPolicy:
                 n = len(blocks[shadow]) if exact else g
             else:
                 role, n = Role.IDLE, 0
-            start = None if exact else self.cursors.get(r, 0)
+            slot = None if exact else self.slot_of(r)
+            start = None if exact else self.cursors.get(slot, 0)
             ids = (blocks[k] if k < n_contrib else blocks[shadow] if n else ()) if exact \
                 else tuple(range(start, start + n))
-            out.append(ReplicaAssignment(r, role, ids, stream_start=start, shadow_of=alive[shadow]
+            out.append(ReplicaAssignment(r, role, ids, stream_start=start, slot=slot,
+                                         shadow_of=alive[shadow]
                                          if exact and shadow is not None else None))
         return _check(StepPlan(step, b, g, self.data_assignment, tuple(out)))
 
@@ -295,7 +323,8 @@ class WorkloadPolicy:
         deficit = len(lost_ids)
         for r, a in sorted(survivors.items()):   # promotion: the spare's whole work fits the loss
             if a.role is Role.SPARE and not a.promoted and a.compute_ids and (
-                    lost.issuperset(a.compute_ids) if exact else len(a.compute_ids) <= deficit):
+                    lost.issuperset(a.compute_ids) if exact
+                    else len(a.compute_ids) <= deficit and not a.extra_ids):
                 survivors[r] = replace(a, promoted=True)
                 lost.difference_update(a.compute_ids)
                 deficit -= len(a.compute_ids)
@@ -306,7 +335,8 @@ class WorkloadPolicy:
         for i in todo:                  # water-filling: one extra to the least loaded survivor
             n, r = heapq.heappop(heap)
             a = survivors[r]
-            extras[r].append(i if exact else a.stream_start + len(a.compute_ids) + n)
+            extras[r].append(i if exact else replace(a, extra_ids=tuple(extras[r]))
+                             .next_extra_position())
             heapq.heappush(heap, (n + 1, r))
         new = tuple(replace(survivors[r], extra_ids=tuple(extras[r])) for r in sorted(survivors))
         lost_work = plan.lost_work + tuple(
@@ -316,27 +346,58 @@ class WorkloadPolicy:
                               lost_work=lost_work, round=plan.round + 1))
 
     def commit(self, plan: StepPlan) -> None:
-        """The step committed: adopt its survivors (G rises, roles reassigned), advance cursors."""
+        """The step committed: adopt its survivors (G rises, roles reassigned), advance cursors
+        by what each committed (a dead replica's slot keeps its cursor: [Note: stream slots])."""
         self.step = plan.step + 1
         self.alive = plan.alive
         if self.data_assignment is DataAssignment.STREAM:
-            self.cursors = {a.replica: a.stream_start + a.computed_count for a in plan.assignments}
+            for a in plan.assignments:
+                self.cursors[a.slot] = a.stream_start + a.quota
+                self.slots[a.replica] = a.slot
+
+    def slot_of(self, replica: int) -> int:
+        """The stream slot ``replica`` reads ([Note: stream slots])."""
+        return self.slots.get(replica, replica)
+
+    def orphaned_slots(self, dead: Iterable[int] = ()) -> dict[int, int]:
+        """Stream slots no alive replica reads (those of ``dead`` too): slot -> its cursor,
+        where its unread remainder starts."""
+        if self.data_assignment is not DataAssignment.STREAM:
+            return {}
+        read = {self.slot_of(r) for r in self.alive if r not in set(dead)}
+        known = set(self.cursors) | {self.slot_of(r) for r in self.alive}
+        return {s: self.cursors.get(s, 0) for s in sorted(known - read)}
 
     # ---- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """JSON-serializable state (config included) for checkpoints."""
-        return {"version": 1, "global_microbatches": self.global_microbatches,
+        return {"version": 2, "global_microbatches": self.global_microbatches,
                 "initial_replicas": self.initial_replicas,
                 "microbatches_per_replica": self.initial_g,
                 "keep_spares": self.keep_spares, "data_assignment": self.data_assignment.value,
                 "g_raise": self.g_raise.value, "step": self.step, "alive": list(self.alive),
-                "g": self.g, "cursors": {str(r): c for r, c in sorted(self.cursors.items())}}
+                "g": self.g, "cursors": {str(s): c for s, c in sorted(self.cursors.items())},
+                "slots": {str(r): self.slot_of(r) for r in self.alive}}
 
     @classmethod
     def from_state_dict(cls, state: Mapping, alive_replicas: Iterable[int] | None = None
                         ) -> "WorkloadPolicy":
-        """Rebuild from `state_dict()`; `alive_replicas` overrides the membership (restart)."""
-        if state.get("version") != 1:
+        """Rebuild from `state_dict()`; `alive_replicas` overrides the membership (restart).
+
+        [Note: stream slots] In stream mode the data a replica reads is a *slot*: one of the
+        W_init disjoint shards of the dataset (each split again over the replica's S ranks),
+        with a cursor, the positions committed from it. A replica reads slot = its id until a
+        restart changes the membership: then the i-th replica takes the i-th slot that was
+        being read at the checkpoint (their loader state was saved at their cursor, so they
+        continue where they were and nothing is read twice), then the slots of replicas that
+        had died (resumed from their last saved loader state and fast-forwarded to their
+        cursor). A slot whose replica died mid-run is not taken over by the survivors:
+        resuming it needs the dead ranks' packing buffers and stream offsets, which died with
+        them, so the survivors would have to replay it from the last checkpoint while the
+        whole job waits; its unread remainder (from its cursor) is recorded in events.jsonl
+        and it stays resumable by a restart. Slots no replica reads after a restart are in
+        ``unread_slots``."""
+        if state.get("version") not in (1, 2):
             raise ValueError(f"unknown workload state version {state.get('version')!r}")
         p = cls(initial_replicas=state["initial_replicas"],
                 microbatches_per_replica=state["microbatches_per_replica"],
@@ -344,7 +405,18 @@ class WorkloadPolicy:
                 data_assignment=state["data_assignment"], g_raise=state["g_raise"],
                 alive_replicas=state["alive"] if alive_replicas is None else alive_replicas)
         p.step = int(state["step"])
-        p.cursors = {int(r): int(c) for r, c in state["cursors"].items()}
+        p.cursors = {int(s): int(c) for s, c in state["cursors"].items()}
+        saved = {int(r): int(s) for r, s in state.get("slots", {}).items()}
+        old_alive = [int(r) for r in state["alive"]]
+        if p.data_assignment is DataAssignment.STREAM:
+            was_read = [saved.get(r, r) for r in old_alive]
+            orphans = sorted(set(p.cursors) - set(was_read))
+            never = sorted(set(range(p.initial_replicas)) - set(was_read) - set(orphans))
+            if tuple(p.alive) == tuple(old_alive):
+                p.slots = {r: saved.get(r, r) for r in p.alive}
+            else:
+                p.slots = dict(zip(p.alive, was_read + orphans + never))
+            p.unread_slots = tuple(sorted(set(p.cursors) - set(p.slots.values())))
         return p
 
 
