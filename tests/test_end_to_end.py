@@ -49,21 +49,6 @@ def test_exact_mode_two_deaths_stays_on_failure_free_trajectory(tmp_path, failur
     assert summary["alive_replicas"] == 2
 
 
-def test_stream_mode_two_deaths(tmp_path, failure_free, capsys):
-    _, steps = _train(tmp_path, "--recover.data_assignment", "stream", faults=TWO_KILLS)
-    _assert_b_every_step(steps, final_alive=2)
-    _, other_order = _train(tmp_path / "noise", "--recover.data_assignment", "stream",
-                            "--recover.data_seed", "1")
-    vs_reference = max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, failure_free["stream"]))
-    noise_floor = max(abs(a["loss"] - b["loss"])
-                      for a, b in zip(other_order, failure_free["stream"]))
-    with capsys.disabled():
-        print(f"\n[stream mode] max |dloss| vs failure-free: {vs_reference:.4f}; "
-              f"failure-free with another data order (noise floor): {noise_floor:.4f}")
-    # different microbatches after the failures, same statistics: within the noise floor
-    assert vs_reference <= max(2 * noise_floor, 0.05)
-
-
 def test_global_rank_0_killed_outputs_move_to_lowest_survivor(tmp_path, local_corpus):
     """Rank 0 dies after step 3 was agreed but before it wrote step 3's records: the new
     writer writes them (from its own copy) and everything after."""

@@ -5,8 +5,9 @@
   replay.py  the paper's 32 x 8 example replayed (``python -m recover_hsdp.workload --replay-paper``)
 """
 
-from recover_hsdp.workload.policy import (DataAssignment, DataRef, GRaise, ReplicaAssignment, Role,
-                                          StepPlan, WorkloadPolicy, validate_workload_fields)
+from recover_hsdp.workload.policy import (DataAssignment, DataRef, GRaise, ReplicaAssignment,
+                                          Role, StepPlan, WorkloadPolicy,
+                                          validate_workload_fields)
 
-__all__ = ["DataAssignment", "DataRef", "GRaise", "ReplicaAssignment", "Role", "StepPlan", "WorkloadPolicy",
-           "validate_workload_fields"]
+__all__ = ["DataAssignment", "DataRef", "GRaise", "ReplicaAssignment", "Role", "StepPlan",
+           "WorkloadPolicy", "validate_workload_fields"]
