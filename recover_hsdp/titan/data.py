@@ -42,6 +42,8 @@ import torch
 
 from torchtitan.components.dataloader import BaseDataLoader
 
+from recover_hsdp.titan.sources import ExactSource, StreamSource, microbatch_sequence_ids
+
 LOCAL_CORPUS = "local_corpus"
 LOCAL_CORPUS_VOCAB = 2048
 CORPUS_BYTES = 3 * 1024 * 1024
@@ -182,13 +184,6 @@ class PackedSequences:
         start = int(self.order[index % len(self.order)]) * self.seq_len
         window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]
-
-
-def microbatch_sequence_ids(microbatch_id: int, shard: int, ranks_per_replica: int,
-                            local_batch_size: int) -> range:
-    """Sequence indices one shard rank feeds for a microbatch (see [Note: microbatch ids])."""
-    first = (microbatch_id * ranks_per_replica + shard) * local_batch_size
-    return range(first, first + local_batch_size)
 
 
 class MicrobatchDataLoader(BaseDataLoader):
@@ -344,7 +339,6 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) ->
     passes only the replica's torch world; the replica id then comes from the MPI bootstrap.
     """
     from recover_hsdp.config import microbatches_per_replica
-    from recover_hsdp.titan.sources import ExactSource, StreamSource
 
     replicas, replica, ranks_per_replica, shard = resolve_replica_layout(
         job_config, dp_world_size, dp_rank)

@@ -48,6 +48,14 @@ from recover_hsdp.workload import DataRef
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
+def microbatch_sequence_ids(microbatch_id: int, shard: int, ranks_per_replica: int,
+                            local_batch_size: int) -> range:
+    """Sequence indices one shard rank feeds for a microbatch ([Note: microbatch ids] in
+    data.py)."""
+    first = (microbatch_id * ranks_per_replica + shard) * local_batch_size
+    return range(first, first + local_batch_size)
+
+
 class SampleLog:
     """``samples/rank<N>.jsonl``: one line per committed microbatch of this rank."""
 
@@ -96,8 +104,6 @@ class ExactSource(MicrobatchSource):
         self.ranks_per_replica, self.local_batch_size = ranks_per_replica, local_batch_size
 
     def _ids(self, microbatch: int) -> range:
-        from recover_hsdp.titan.data import microbatch_sequence_ids
-
         return microbatch_sequence_ids(microbatch, self.shard, self.ranks_per_replica,
                                        self.local_batch_size)
 
