@@ -48,7 +48,7 @@ def _launch_args(out: Path, replicas: int, extra=()) -> list[str]:
 def _verdict(out: Path, rc: int, replicas: int, fault_time: float) -> dict:
     steps, events = _read(out / "metrics.jsonl"), _read(out / "events.jsonl")
     ok = (rc == 0 and [s["step"] for s in steps] == list(range(1, STEPS + 1))
-          and all(s["committed_microbatches"] == replicas for s in steps)
+          and all(s["reduced_microbatches"] == replicas for s in steps)
           and [e["dead_replicas"] for e in events] == [[2]])
     result = {"survived": ok, "rc": rc, "events": events}
     if events and fault_time and events[0].get("decided_at"):

@@ -89,7 +89,9 @@ class RunMetrics:
             print(
                 f"[recover-hsdp {self.mode}] step {record['step']:>4}  loss {record['loss']:.5f}  "
                 f"step_time {record['step_time_s']:.3f}s  alive_replicas {record['alive_replicas']}"
-                f"  committed_microbatches {record['committed_microbatches']}", flush=True)
+                f"  committed_microbatches {record['committed_microbatches']}"
+                + (f" (measured {record['reduced_microbatches']})"
+                   if "reduced_microbatches" in record else ""), flush=True)
 
     def log_event(self, record: dict[str, Any]) -> None:
         self.events.append(record)

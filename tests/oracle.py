@@ -1,4 +1,5 @@
-"""One-process oracle: recompute a step's gradient from the microbatch ids in the ledger."""
+"""One-process oracle: recompute a step's gradient from the data the ledger says was committed
+(global microbatch ids in exact mode, stream slot positions in stream mode)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,43 @@ import torch
 from conftest import DEBUG_CONFIG
 
 
-def recompute_gradient(params: dict[str, torch.Tensor], committed_ids: list[int],
-                       ranks_per_replica: int, overrides: list[str] = ()) -> dict[str, torch.Tensor]:
-    """Sum over ``committed_ids`` of each microbatch's gradient (all S shard slices), with the
-    loss normalised by the step's nominal token count, exactly as the trainer does."""
+def committed_refs(entry) -> list:
+    """The DataRefs a ledger entry committed (every replica's)."""
+    from recover_hsdp.workload import DataRef
+
+    return sorted(DataRef(None if entry.mode == "exact" else entry.slots[replica], index)
+                  for replica, ids in entry.committed.items() for index in ids)
+
+
+def _stream_batches(cfg, refs, ranks_per_replica: int, slots: int) -> dict:
+    """(ref, shard) -> this shard's batch, read from the start of each part on one process."""
+    from torchtitan.components.tokenizer import build_hf_tokenizer
+
+    from recover_hsdp.titan.data import open_stream_part
+    from recover_hsdp.titan.sources import StreamSource
+
+    tokenizer = build_hf_tokenizer(cfg)
+    batches = {}
+    for slot in sorted({ref.stream for ref in refs}):
+        wanted = {ref.index for ref in refs if ref.stream == slot}
+        for shard in range(ranks_per_replica):
+            source = StreamSource(open_stream_part(cfg, tokenizer), shard=shard,
+                                  ranks_per_replica=ranks_per_replica, slots=slots,
+                                  local_batch_size=cfg.training.local_batch_size)
+            for position in range(max(wanted) + 1):
+                ref = (slot, position)
+                batch = source.microbatch(type(refs[0])(*ref))
+                source.consume(0, [type(refs[0])(*ref)])
+                if position in wanted:
+                    batches[(ref, shard)] = batch
+    return batches
+
+
+def recompute_gradient(params: dict[str, torch.Tensor], refs: list, ranks_per_replica: int,
+                       overrides: list[str] = (), slots: int | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """Sum over the committed microbatches ``refs`` of each one's gradient (all S shard parts),
+    with the loss normalised by the step's nominal token count, exactly as the trainer does."""
     from recover_hsdp.titan import cpu_runtime, model_spec
     from recover_hsdp.titan.data import load_sequences, microbatch_sequence_ids
 
@@ -27,14 +61,22 @@ def recompute_gradient(params: dict[str, torch.Tensor], committed_ids: list[int]
     model = spec.model_cls(args)
     model.load_state_dict(params)
     loss_fn = spec.build_loss_fn(cfg)
-    sequences = load_sequences(cfg, tokenizer=None)
     lbs, seq = cfg.training.local_batch_size, cfg.training.seq_len
-    nominal = len(committed_ids) * ranks_per_replica * lbs * seq
-    for microbatch in committed_ids:
+    nominal = len(refs) * ranks_per_replica * lbs * seq
+    stream = refs[0].stream is not None
+    if stream:
+        batches = _stream_batches(cfg, refs, ranks_per_replica, slots)
+    else:
+        sequences = load_sequences(cfg, tokenizer=None)
+    for ref in refs:
         for shard in range(ranks_per_replica):
-            rows = [sequences[i] for i in microbatch_sequence_ids(microbatch, shard,
-                                                                  ranks_per_replica, lbs)]
-            inputs = torch.stack([r[0] for r in rows])
-            labels = torch.stack([r[1] for r in rows])
+            if stream:
+                inputs, labels = batches[(tuple(ref), shard)]
+                inputs = inputs["input"]
+            else:
+                rows = [sequences[i] for i in microbatch_sequence_ids(
+                    ref.index, shard, ranks_per_replica, lbs)]
+                inputs = torch.stack([r[0] for r in rows])
+                labels = torch.stack([r[1] for r in rows])
             (loss_fn(model(inputs), labels) / nominal).backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}

@@ -19,7 +19,7 @@ def test_restart_with_fewer_replicas_keeps_b_and_trajectory(tmp_path, local_corp
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-4", "step-8"]
     resumed = _train(tmp_path / "three", 3, ckpt, "--checkpoint.load_step", "4")
     assert [s["step"] for s in resumed] == [5, 6, 7, 8]
-    assert all(s["alive_replicas"] == 3 and s["committed_microbatches"] == 4 for s in resumed)
+    assert all(s["alive_replicas"] == 3 and s["reduced_microbatches"] == 4 for s in resumed)
     assert all(s["g"] == 2 for s in resumed)             # G raised: B = 4 over 3 replicas
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(resumed, first[4:])]
     assert max(diffs) <= 1e-3, diffs                     # exact mode: the same microbatches

@@ -62,7 +62,7 @@ def test_stream_c4_4x1_kills_then_restart_on_3_continues_the_streams(tmp_path, c
     steps, events = _train(tmp_path / "run", c4, "c4", "stream", 4, 1, 6, KILLS, [
         "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.folder", str(ckpt)])
     b = 4
-    assert [s["committed_microbatches"] for s in steps] == [b] * 6
+    assert [s["reduced_microbatches"] for s in steps] == [b] * 6
     assert [s["roles"]["spare"] for s in steps] == [0, 0, 1, 1, 0, 0]
     assert _committed_per_step(tmp_path / "run", 1) == {t: b for t in range(1, 7)}
     assert [e["dead_replicas"] for e in events] == [[1], [2]] and events[1]["promoted"] == [3]
@@ -80,7 +80,7 @@ def test_stream_c4_4x1_kills_then_restart_on_3_continues_the_streams(tmp_path, c
         "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.folder", str(ckpt),
         "--checkpoint.load_step", "3"])
     assert [s["step"] for s in steps] == [4, 5, 6]
-    assert all(s["committed_microbatches"] == b and s["alive_replicas"] == 3 for s in steps)
+    assert all(s["reduced_microbatches"] == b and s["alive_replicas"] == 3 for s in steps)
     assert all(s["roles"]["spare"] == 1 for s in steps)
     restart = [e for e in events if e.get("phase") == "restart"][0]
     assert restart["slots"] == {"0": 0, "1": 2, "2": 3} and list(restart["unread_streams"]) == ["1"]
@@ -116,7 +116,7 @@ def _audit_exact(out, c4, shards, b):
 
 def test_exact_c4_map_style_4x1_two_replicas_killed(tmp_path, c4):
     steps, events = _train(tmp_path, c4, "c4_test", "exact", 4, 1, 5, KILLS)
-    assert [s["committed_microbatches"] for s in steps] == [4] * 5
+    assert [s["reduced_microbatches"] for s in steps] == [4] * 5
     assert [e["dead_replicas"] for e in events] == [[1], [2]]
     _audit_exact(tmp_path, c4, 1, 4)
 
@@ -125,7 +125,7 @@ def test_exact_c4_map_style_4x1_two_replicas_killed(tmp_path, c4):
 def test_2x2_one_rank_killed(tmp_path, c4, mode, dataset):
     steps, events = _train(tmp_path, c4, dataset, mode, 2, 2, 4,
                            ["replica=1,step=2,phase=grad_sync,rank=1"], g=2)
-    assert [s["committed_microbatches"] for s in steps] == [4] * 4
+    assert [s["reduced_microbatches"] for s in steps] == [4] * 4
     assert [s["alive_replicas"] for s in steps] == [2, 1, 1, 1]
     assert _committed_per_step(tmp_path, 2) == {t: 4 for t in range(1, 5)}
     if mode == "stream":

@@ -7,6 +7,8 @@ trainer after every step; a divergence would stop the run, so finishing is part 
 
 import json
 
+import pytest
+
 
 from conftest import DEBUG_CONFIG, read_jsonl, run_cli
 
@@ -26,7 +28,7 @@ def _train(out, *extra_args, faults=(), replicas=4, hang_timeout=10):
 
 def _assert_b_every_step(steps, final_alive):
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    assert all(s["committed_microbatches"] == B for s in steps)
+    assert all(s["reduced_microbatches"] == B for s in steps)
     assert steps[-1]["alive_replicas"] == final_alive
 
 
@@ -73,6 +75,7 @@ def test_hang_is_detected_within_bound_and_training_continues(tmp_path, local_co
     assert failure_step["step_time_s"] < hang_timeout + 20
 
 
+@pytest.mark.slow  # default suite time: the schedule is unit-tested, the kills elsewhere
 def test_paper_like_failure_schedule(tmp_path, local_corpus):
     """One failure every 3 steps at a seeded random step, until 2 replicas are lost."""
     from recover_hsdp.faults import Phase, paper_schedule
@@ -88,6 +91,7 @@ def test_paper_like_failure_schedule(tmp_path, local_corpus):
         [s.replica] for s in expected]
 
 
+@pytest.mark.slow  # default suite: test_recovery_oracle::test_promoted_spare (gradients)
 def test_spare_promoted_when_its_shadowed_replica_dies(tmp_path, failure_free):
     """After replica 1 dies, G = 2: replicas 0 and 2 are majors and 3 is a spare shadowing
     replica 0's ids (exact mode). When replica 0 (global rank 0) dies at step 6, the spare is

@@ -48,7 +48,7 @@ def test_mpi_path_matches_stock_hsdp(tmp_path, local_corpus, replicas, ranks, mo
     assert max(diffs) <= 1e-4, diffs
     for record in mpi_steps:
         assert record["alive_replicas"] == replicas
-        assert record["committed_microbatches"] == G * replicas and record["g"] == G
+        assert record["reduced_microbatches"] == G * replicas and record["g"] == G
     # the run really trained: the loss moved
     assert abs(mpi_steps[0]["loss"] - mpi_steps[-1]["loss"]) > 1e-3
 

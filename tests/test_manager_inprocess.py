@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from fakes import FakeHub, FakeUnit, run_ranks, values_of
+from fakes import FakeHub, FakeUnit, HubBroken, run_ranks, values_of
 from recover_hsdp.faults import FaultInjector, FaultSpec, Mode
 from recover_hsdp.manager import RecoverManager
 from recover_hsdp.outputs import RunMetrics
@@ -80,6 +80,7 @@ class StandInWork:
         before_backward()
         for unit in range(len(self.units)):
             self.acc[unit] += grad_of(data_id, unit, self.shard)
+            self.bucket_sync.count_backward(unit)  # what the real units' gradient hooks do
         if self.sync:  # FSDP: hooks in reverse unit order; .grad is a view of the first bucket
             for unit in reversed(range(len(self.units))):
                 bucket, self.acc[unit] = self.acc[unit], torch.zeros(WIDTH)
@@ -88,7 +89,7 @@ class StandInWork:
                     self.grads[unit] = bucket
                 else:
                     self.grads[unit] += bucket
-        return float(data_id), TOKENS
+        return float(data_id), TOKENS, TOKENS
 
     def apply_update(self, grad_scale: float) -> float:
         if self.step in self.update_errors:
@@ -118,7 +119,7 @@ def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", kee
         key = (world.replica, world.shard)
         work = StandInWork(world, units, errors.get(key), update_errors.get(key),
                            transient.get(key, set()))
-        work.initial_replicas = replicas
+        work.initial_replicas, work.bucket_sync = replicas, sync
         for step in range(1, steps + 1):
             work.step = step
             record = manager.step(step, work)
@@ -145,6 +146,8 @@ def check_against_oracle(tmp_path, works, replicas, steps, b):
     assert [e.step for e in ledger] == list(range(steps))  # policy steps are 0-based
     for entry in ledger:
         assert entry.committed_total == b
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["reduced_microbatches"] for m in metrics] == [b] * steps   # measured, not planned
     for (replica, shard), work in works.items():
         assert len(work.applied) == steps
         for entry, applied in zip(ledger, work.applied):
@@ -190,6 +193,32 @@ def test_second_death_during_rereduce(tmp_path, mode):
     works = values_of(results, killed=[(1, 0), (2, 0)])
     check_against_oracle(tmp_path, works, 4, 3, b=8)
     assert hub.epoch == 2
+
+
+def test_a_recovery_that_drops_one_microbatch_gradient_is_refused(tmp_path, monkeypatch):
+    """A deliberately broken recovery layer: the hook drops the first extra microbatch's
+    gradient it is handed. The measured count ([Note: measured microbatches]) is B - 1 in the
+    failure step, so no survivor commits it: the step is refused with one line, the ledger and
+    the applied updates stop before it."""
+    dropped = []
+
+    def drop_first_extra(self, unit, tensor):
+        if not dropped:
+            dropped.append(unit)
+            self._pending[unit] -= 1          # the gradient never reaches the bucket
+        return original(self, unit, tensor)
+
+    original = BucketSync._collect_extra
+    monkeypatch.setattr(BucketSync, "_collect_extra", drop_first_extra)
+    hub, results = run_job(tmp_path, replicas=3, g=1, steps=3,
+                           faults=["replica=1,step=2,phase=grad_sync,bucket=1"])
+    refusal = ("refusing to commit: the buckets summed 2 microbatch gradients over 24 token "
+               "positions (buckets disagree on 1 ranks), the plan commits B = 3")
+    survivors = [v for k, v in results.items() if k != (1, 0)]
+    # each survivor raises it (in the fake world the first to raise releases the other)
+    assert all(isinstance(v, (RuntimeError, HubBroken)) and refusal in str(v)
+               for v in survivors), survivors
+    assert [e.step for e in read_ledger(tmp_path / "ledger.jsonl")] == [0]
 
 
 def test_one_rank_of_a_replica_dies_and_the_replica_leaves_as_a_unit(tmp_path):

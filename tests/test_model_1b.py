@@ -142,7 +142,7 @@ def test_1b_config_file_trains_3_steps_on_cpu(tmp_path, local_corpus):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     steps = read_jsonl(out / "metrics.jsonl")
     assert [s["step"] for s in steps] == [1, 2, 3]
-    assert all(s["committed_microbatches"] == 4 and s["g"] == 2 for s in steps)
+    assert all(s["reduced_microbatches"] == 4 and s["g"] == 2 for s in steps)
     assert all(s["tokens"] == 4 * 2 * 2048 for s in steps)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

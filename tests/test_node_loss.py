@@ -91,7 +91,7 @@ def test_lost_node_the_others_finish(tmp_path, fault, nodes):
         assert rc == 0, text[-4000:]
         steps = read_jsonl(out / "metrics.jsonl")
         assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), text[-3000:]
-        assert all(s["committed_microbatches"] == nodes for s in steps)
+        assert all(s["reduced_microbatches"] == nodes for s in steps)
         assert steps[-1]["alive_replicas"] == nodes - 1
         events = read_jsonl(out / "events.jsonl")
         assert [e["dead_replicas"] for e in events] == [[2]], events

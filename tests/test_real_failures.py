@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from conftest import DEBUG_CONFIG, read_jsonl, run_cli
 from recover_hsdp.collectives.processes import read_registry
 
@@ -35,7 +37,7 @@ def _train(out, faults=(), replicas=4, ranks=1, extra=(), timeout=300):
 def _check(out, steps, failure_free, alive_after, wall, bound=150):
     assert wall < bound, wall
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    assert all(s["committed_microbatches"] == B for s in steps)
+    assert all(s["reduced_microbatches"] == B for s in steps)
     assert steps[-1]["alive_replicas"] == alive_after
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, failure_free["exact"])]
     assert max(diffs) <= 1e-3, diffs
@@ -82,7 +84,7 @@ def test_error_in_one_rank_of_a_2x2_replica_takes_the_replica_out(tmp_path):
                                  extra=["--training.steps", "4"])
     assert wall < 150, wall
     assert [s["alive_replicas"] for s in steps] == [2, 1, 1, 1]
-    assert all(s["committed_microbatches"] == 2 for s in steps)
+    assert all(s["reduced_microbatches"] == 2 for s in steps)
     (event,) = read_jsonl(tmp_path / "events.jsonl")
     assert event["dead_replicas"] == [1] and "rank 3 step 2: RuntimeError: injected fault" in (
         " ".join(event["errors"]["1"]))
@@ -101,6 +103,7 @@ def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
     assert event["phase"] == "end of run" and event["dead_replicas"] == [0]
 
 
+@pytest.mark.slow  # default suite time: the launcher's clean-up is one function
 def test_a_second_run_into_the_same_folder_starts_afresh(tmp_path):
     """Outputs are never mixed: the earlier run's ledger, faults and metrics are removed."""
     _train(tmp_path, replicas=2, faults=["replica=1,step=2,phase=forward"],
@@ -114,6 +117,7 @@ def test_a_second_run_into_the_same_folder_starts_afresh(tmp_path):
     assert not (tmp_path / "events.jsonl").exists() or not (tmp_path / "events.jsonl").read_text()
 
 
+@pytest.mark.slow  # default suite time: detection_bench measures the same 10/10 times
 def test_a_long_step_is_not_a_death(tmp_path):
     """Replica 1 computes 20 s (pure Python, GIL held, no MPI call: 5 x detect_timeout_s) in
     step 2: the heartbeat detector's own thread keeps it alive, nobody is declared dead."""
@@ -135,7 +139,7 @@ def test_frozen_rank_of_a_2x2_replica(tmp_path):
                                  faults=["replica=1,step=2,phase=backward,rank=1,mode=stop"],
                                  extra=["--training.steps", "4"])
     assert [s["alive_replicas"] for s in steps] == [2, 1, 1, 1]
-    assert all(s["committed_microbatches"] == 2 for s in steps)
+    assert all(s["reduced_microbatches"] == 2 for s in steps)
     (event,) = read_jsonl(tmp_path / "events.jsonl")
     assert event["dead_replicas"] == [1] and event["detect_s"] < 15, event
     assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []

@@ -1,10 +1,14 @@
 """Oracle for in-step recovery: the gradient applied in a failure step equals the gradient
-recomputed on one process from the microbatches the ledger says were committed.
+recomputed on one process from the data the ledger says was committed.
 
-A replica is SIGKILLed during the gradient sync after k of n buckets were reduced. The debug
-model has n = 8 buckets (FSDP units with parameters: 6 blocks, embeddings, norm+output), so
-k in {0, 1, n-1, n}; 2x2 runs k in {0, n} by default and {1, n-1} with the slow tests. Tolerance: fp32 reduction order only
-(rtol 1e-4, atol 1e-6 on gradients of magnitude ~1e-3..1e-1).
+A contributing replica is SIGKILLed during the gradient sync after k of n buckets were reduced.
+The debug model has n = 8 buckets (FSDP units with parameters: 6 blocks, embeddings,
+norm+output), so k in {0, 1, n-1, n}, all in the default suite (4x1: two failure steps per
+job, both victims contribute). Also: a spare promoted when the replica it stands in for dies,
+in exact and in stream mode (stream: the windows are recomputed from the ledger's stream slot
+positions), a second death during the re-reduce, 2x2 one rank (k = 0 by default; the other k
+with the slow tests). Tolerance: fp32 reduction order only (rtol 1e-4, atol 1e-6 on gradients
+of magnitude ~1e-3..1e-1: a lost or doubled microbatch changes them by ~1e-2 relative).
 """
 
 import pytest
@@ -12,35 +16,38 @@ import torch
 
 from recover_hsdp.collectives.processes import read_registry
 from conftest import DEBUG_CONFIG, read_jsonl, run_cli
-from oracle import recompute_gradient
+from oracle import committed_refs, recompute_gradient
 from recover_hsdp.workload.ledger import read_ledger
 
 N_BUCKETS = 8
 STEPS = 4
 
 
-def _run_with_faults(out, replicas, ranks, faults, dump_steps):
+def _run_with_faults(out, replicas, ranks, faults, dump_steps, extra=()):
     args = ["train", "--config", str(DEBUG_CONFIG), "--replicas", str(replicas),
             "--ranks-per-replica", str(ranks), "--out", str(out)]
     for fault in faults:
         args += ["--fault", fault]
     result = run_cli(args + ["--", "--training.steps", str(STEPS), "--recover.hang_timeout_s",
                              "10", "--recover.dump_step_gradients",
-                             ",".join(map(str, dump_steps))])
+                             ",".join(map(str, dump_steps)), *extra])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     (out / "stdout.log").write_text(result.stdout)
     return out
 
 
-def _check_step_against_oracle(out, step, ranks, expected_dead, global_batch):
+def _check_step_against_oracle(out, step, ranks, expected_dead, global_batch, overrides=(),
+                               slots=None):
     """The gradient committed at ``step`` (1-based) == the one-process recomputation."""
     entry = [e for e in read_ledger(out) if e.step == step - 1][0]
     assert sorted(entry.failures) == expected_dead
-    committed = sorted(i for ids in entry.committed.values() for i in ids)
-    # exact mode: the failure-free ids of the step, whatever died
-    assert committed == list(range((step - 1) * global_batch, step * global_batch))
+    refs = committed_refs(entry)
+    assert len(refs) == global_batch
+    if entry.mode == "exact":  # the failure-free ids of the step, whatever died
+        assert [r.index for r in refs] == list(range((step - 1) * global_batch,
+                                                     step * global_batch))
     dump = torch.load(out / f"grads_step{step}.pt")
-    oracle = recompute_gradient(dump["params"], committed, ranks)
+    oracle = recompute_gradient(dump["params"], refs, ranks, list(overrides), slots=slots)
     for name, grad in dump["grads"].items():
         torch.testing.assert_close(grad, oracle[name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
@@ -48,17 +55,36 @@ def _check_step_against_oracle(out, step, ranks, expected_dead, global_batch):
 
 @pytest.mark.parametrize("k_first,k_second", [(0, N_BUCKETS), (1, N_BUCKETS - 1)])
 def test_kill_after_k_buckets_4x1(tmp_path, local_corpus, k_first, k_second):
-    """4 x 1: replica 2 dies at step 2 after k_first buckets, replica 3 at step 3 after
-    k_second; both failure steps are checked against the oracle (k covers {0, 1, n-1, n})."""
+    """4 x 1: replica 2 (a major) dies at step 2 after k_first buckets; replica 1 (a major of
+    the 3 survivors: G = 2, replica 3 is the spare) at step 3 after k_second; both failure
+    steps are checked against the oracle (k covers {0, 1, n-1, n}, victims contribute)."""
     out = _run_with_faults(tmp_path, 4, 1, [
         f"replica=2,step=2,phase=grad_sync,bucket={k_first}",
-        f"replica=3,step=3,phase=grad_sync,bucket={k_second}"], dump_steps=(2, 3))
+        f"replica=1,step=3,phase=grad_sync,bucket={k_second}"], dump_steps=(2, 3))
     steps = read_jsonl(out / "metrics.jsonl")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    assert all(s["committed_microbatches"] == 4 for s in steps)
-    assert [e["dead_replicas"] for e in read_jsonl(out / "events.jsonl")] == [[2], [3]]
+    assert all(s["reduced_microbatches"] == 4 for s in steps)
+    events = read_jsonl(out / "events.jsonl")
+    assert [e["dead_replicas"] for e in events] == [[2], [1]]
+    assert events[1]["promoted"] == [] and events[1]["extra_microbatches"] == 2
     _check_step_against_oracle(out, 2, 1, [2], 4)
-    _check_step_against_oracle(out, 3, 1, [3], 4)
+    _check_step_against_oracle(out, 3, 1, [1], 4)
+
+
+@pytest.mark.parametrize("mode", ["exact", "stream"])
+def test_promoted_spare(tmp_path, local_corpus, mode):
+    """After replica 2 dies, replica 3 is the spare (exact: it shadows replica 0's ids;
+    stream: it computes its next positions without drawing them). Replica 0 dies at step 3:
+    the spare is promoted, nothing is recomputed, and its gradient is the committed one."""
+    extra = ("--recover.data_assignment", mode)
+    out = _run_with_faults(tmp_path, 4, 1, [
+        "replica=2,step=2,phase=grad_sync,bucket=3",
+        "replica=0,step=3,phase=grad_sync,bucket=2"], dump_steps=(3,), extra=extra)
+    events = read_jsonl(out / "events.jsonl")
+    assert [e["dead_replicas"] for e in events] == [[2], [0]]
+    assert events[1]["promoted"] == [3] and events[1]["extra_microbatches"] == 0
+    assert all(s["reduced_microbatches"] == 4 for s in read_jsonl(out / "metrics.jsonl"))
+    _check_step_against_oracle(out, 3, 1, [0], 4, overrides=extra, slots=4)
 
 
 @pytest.mark.parametrize("k", [0, pytest.param(N_BUCKETS, marks=pytest.mark.slow),

@@ -25,8 +25,11 @@ the trainer when it may update. It holds the three layers and the run's outputs:
      the step (promote a spare, deal extra microbatches), the extras are computed, stale buckets
      are restored from their snapshots and reduced again, and back to 4. A failure during 5
      loops again; each loop needs a new death, so it ends.
-Invariant: every committed step sums exactly B microbatch gradients (the policy asserts it per
-plan, the ledger refuses a line that does not), each bucket reduced under one membership
+Invariant: every committed step sums exactly B microbatch gradients: the policy asserts it per
+plan, and the step is measured before it commits ([Note: measured microbatches] in
+recovery/buckets.py): the microbatch gradients the buckets really summed and the token positions
+really computed, summed across replicas with the loss, must equal B and B x tokens per
+microbatch, or the step is refused; each bucket reduced under one membership
 (``BucketSync.all_current`` asserted before ``apply_update``).
 """
 
@@ -61,7 +64,8 @@ class StepWork(Protocol):
                          before_backward: Callable[[], None]) -> tuple[float, int]:
         """Forward + backward of the microbatch at ``data`` (a global id, or a position in a
         stream slot), loss divided by ``nominal_tokens``; ``before_backward()`` between the two
-        (a fault-injection point). Returns (that loss as a float, valid label tokens)."""
+        (a fault-injection point). Returns (that loss as a float, valid label tokens, label
+        positions: tokens of the microbatch on this rank, valid or not)."""
 
     def apply_update(self, grad_scale: float) -> float:
         """Scale the reduced gradient by ``grad_scale`` (1.0: no-op), clip, optimizer and LR
@@ -72,7 +76,8 @@ class StepWork(Protocol):
 class _StepState:
     """What one step accumulates on this rank while the protocol runs."""
 
-    stats: dict[int, tuple[float, int]] = field(default_factory=dict)  # id -> (loss, tokens)
+    stats: dict[int, tuple[float, int, int]] = field(default_factory=dict)  # id -> (loss,
+    # valid tokens, token positions) of this rank's part
     extras_done: tuple[int, ...] = ()
     sync_time_s: float = 0.0
 
@@ -186,10 +191,10 @@ class RecoverManager:
                 if last:
                     sync_started = time.perf_counter()
                 self.faults.at(step, Phase.FORWARD)
-                loss, tokens = work.forward_backward(
+                measured = work.forward_backward(
                     data_id, nominal_tokens, lambda: self.faults.at(step, Phase.BACKWARD))
                 if ids:
-                    state.stats[ids[index]] = (loss, tokens)
+                    state.stats[ids[index]] = measured
                 self.world.heartbeat()
         except Exception as err:  # noqa: BLE001 - any error inside the replica: it leaves
             self.replica_error(step, one_line(err))
@@ -235,12 +240,16 @@ class RecoverManager:
         return found
 
     def _committed_totals(self, mine, state: _StepState) -> np.ndarray:
-        """Global (loss, valid tokens) of the committed microbatches; a failed reduce returns
-        garbage and fails the epoch (recomputed after the repair)."""
-        local = np.zeros(2, np.float64)
+        """Global sums of (loss, valid tokens, token positions, microbatch gradients reduced,
+        ranks whose buckets disagree) of the committed microbatches, all measured ([Note: measured microbatches]): every
+        rank adds its part, so the last two must come to S x B microbatch gradients and B x
+        tokens per microbatch. A failed reduce returns garbage and fails the epoch
+        (recomputed after the repair)."""
+        local = np.zeros(5, np.float64)
         for microbatch in mine.committed_ids:
-            loss, tokens = state.stats.get(microbatch, (0.0, 0))
-            local += (loss, tokens)
+            local[:3] += state.stats.get(microbatch, (0.0, 0, 0))  # missing: not computed
+        count, agree = self.bucket_sync.reduced_microbatches()
+        local[3:] = count, not agree
         self.world.allreduce_global(local)
         return local
 
@@ -289,7 +298,15 @@ class RecoverManager:
         if not self._contract_checked:  # once: [Note: FSDP2 contract] item 3
             self.bucket_sync.check_contract()
             self._contract_checked = True
-        loss_sum, tokens = float(totals[0]), int(totals[1])
+        loss_sum, tokens, positions = float(totals[0]), int(totals[1]), int(totals[2])
+        ranks = self.world.layout.ranks_per_replica
+        reduced = totals[3] / ranks
+        if reduced != plan.committed_total() or positions != nominal_tokens or totals[4]:
+            raise RuntimeError(
+                f"step {step}: refusing to commit: the buckets summed {reduced:g} microbatch "
+                f"gradients over {positions} token positions (buckets disagree on "
+                f"{int(totals[4])} ranks), the plan commits B = {plan.committed_total()} over "
+                f"{nominal_tokens} ([Note: measured microbatches])")
         scale = 1.0
         if tokens and tokens != nominal_tokens:  # keep the loss normalised by committed tokens
             scale = nominal_tokens / tokens
@@ -311,7 +328,8 @@ class RecoverManager:
         return {
             "step": step, "loss": loss_sum, "grad_norm": float(grad_norm), "tokens": tokens,
             "alive_replicas": len(self.world.alive_replicas),
-            "committed_microbatches": plan.committed_total(), "epoch": self.world.epoch,
+            "committed_microbatches": plan.committed_total(), "reduced_microbatches": int(reduced),
+            "epoch": self.world.epoch,
             "g": plan.g, "roles": {r.value: plan.count(r) for r in Role},
             "quota": plan.assignment(self.replica).quota, "sync_time_s": state.sync_time_s,
             "snapshot_bytes_per_rank": self.bucket_sync.snapshot_bytes(),

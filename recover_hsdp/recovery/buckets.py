@@ -20,6 +20,15 @@ the current epoch from its snapshot (plus any extra microbatches' gradients) and
 again under the new epoch; :meth:`BucketSync.all_current` checks that every bucket carries the
 current epoch before the step may commit.
 
+[Note: measured microbatches] Each bucket also carries how many microbatch gradients it holds,
+counted where they are made, not from the plan: every FSDP unit's output registers a gradient
+hook in forward, so each backward pass that reaches the unit adds one to the unit's pending
+count (``count_backward``); the bucket takes the pending count when the unit's hook fires
+(``computed``, and ``extras`` for extra microbatches), and ``reduced`` is what the last reduce
+under an epoch summed: computed (zero for a replica that does not contribute) + extras.
+:meth:`BucketSync.reduced_microbatches` is this rank's figure if every bucket agrees; the
+manager sums it across replicas with the loss and refuses to commit a step whose sum is not B.
+
 The FSDP2 behaviour all this relies on, and how it is checked, is [Note: FSDP2 contract] in
 :mod:`recover_hsdp.recovery.fsdp_contract`; GPU stream ordering is [Note: hook streams] there.
 """
@@ -59,6 +68,9 @@ class Bucket:
     unit: int = 0                 # index of the FSDP unit whose hook produced it
     epoch: int | None = None      # epoch it was reduced under; None: not (successfully) reduced
     extra: torch.Tensor | None = field(default=None)  # gradients of extra microbatches
+    computed: int = 0             # microbatch gradients in the snapshot ([Note: measured ...])
+    extras: int = 0               # microbatch gradients in ``extra``
+    reduced: int = 0              # microbatch gradients the last reduce summed on this rank
 
 
 class BucketSync:
@@ -94,6 +106,7 @@ class BucketSync:
         self.collecting_extras = False
         self.error: str | None = None  # first error raised inside the hook this step (not MPI's)
         self._staging: dict[tuple, torch.Tensor] = {}
+        self._pending = [0] * len(self.units)  # backward passes per unit since its last hook
         for index, unit in enumerate(self.units):
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_gradient_divide_factor(1.0)
@@ -114,7 +127,10 @@ class BucketSync:
         stream = None
         if any(p.device.type == "cuda" for p in model.parameters()):
             stream = torch.cuda.Stream()
-        return cls(units, world, host_snapshots, on_bucket, hook_stream=stream)
+        sync = cls(units, world, host_snapshots, on_bucket, hook_stream=stream)
+        for index, unit in enumerate(units):
+            unit.register_forward_hook(functools.partial(_count_backward_of, sync, index))
+        return sync
 
     # ------------------------------------------------------------------ step lifecycle
 
@@ -122,6 +138,7 @@ class BucketSync:
         """Forget last step's buckets; ``contributes`` False: reduce zeros (unpromoted spare)."""
         self.buckets = []
         self._by_unit = {}
+        self._pending = [0] * len(self.units)
         self.error = None
         self.contributes = contributes
         self.collecting_extras = False
@@ -141,6 +158,19 @@ class BucketSync:
             problem = check_grads_are_bucket_views(unit, bucket.tensor)
             if problem:
                 raise RuntimeError(problem)
+
+    def count_backward(self, unit: int) -> None:
+        """One backward pass reached unit ``unit`` ([Note: measured microbatches])."""
+        self._pending[unit] += 1
+
+    def reduced_microbatches(self) -> tuple[int, bool]:
+        """(microbatch gradients this rank's buckets summed in their last reduce, whether every
+        bucket holds that many). The count is the smallest of the buckets': a gradient missing
+        from one bucket is missing from the step. (Units without parameters of their own
+        produce no bucket.)"""
+        counts = [b.reduced for b in self.buckets]
+        agree = len(set(counts)) == 1
+        return (min(counts) if counts else 0), agree
 
     def snapshot_bytes(self) -> int:
         return sum(b.snapshot.numel() * b.snapshot.element_size() for b in self.buckets)
@@ -171,7 +201,9 @@ class BucketSync:
             snapshot.copy_(tensor)
         else:
             snapshot = tensor.detach().clone()
-        bucket = Bucket(tensor=tensor, snapshot=snapshot, unit=unit)
+        bucket = Bucket(tensor=tensor, snapshot=snapshot, unit=unit, computed=self._pending[unit])
+        self._pending[unit] = 0
+        bucket.reduced = bucket.computed if self.contributes else 0
         self.buckets.append(bucket)
         self._by_unit[unit] = bucket
         if not self.contributes:
@@ -186,6 +218,8 @@ class BucketSync:
                                "bucket of this step (see [Note: FSDP2 contract])")
         extra = tensor.detach().to(bucket.snapshot.device)
         bucket.extra = extra.clone() if bucket.extra is None else bucket.extra.add_(extra)
+        bucket.extras += self._pending[unit]
+        self._pending[unit] = 0
         # FSDP accumulates this buffer into .grad after the hook: make that a no-op; the extra
         # gradient enters through rereduce().
         tensor.zero_()
@@ -240,7 +274,20 @@ class BucketSync:
                 bucket.tensor.copy_(source)
                 if bucket.extra is not None:
                     bucket.tensor.add_(bucket.extra.to(bucket.tensor.device))
+            bucket.reduced = (bucket.computed if contributes else 0) + bucket.extras
             self.on_bucket(index, True)
             self._reduce(bucket)
             redone += 1
         return redone
+
+
+def _count_backward_of(sync: BucketSync, index: int, module, args, output) -> None:
+    """Forward hook of FSDP unit ``index``: its output's gradient hook counts the backward
+    passes that reach the unit ([Note: measured microbatches]). Not during a backward pass
+    (activation checkpointing recomputes forwards there)."""
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        return
+    tensor = next((t for t in torch.utils._pytree.tree_leaves(output)
+                   if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    if tensor is not None:
+        tensor.register_hook(lambda grad: sync.count_backward(index))

@@ -90,6 +90,7 @@ class RecoverMetricsProcessor(MetricsProcessor):
                                 "recover/epoch": record["epoch"],
                                 "recover/committed_microbatches":
                                     record["committed_microbatches"],
+                                "recover/reduced_microbatches": record["reduced_microbatches"],
                                 "recover/sync_time_s": record["sync_time_s"]})
 
     # ------------------------------------------------------------------ end of run

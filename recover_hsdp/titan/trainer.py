@@ -130,7 +130,7 @@ class RecoverTrainer(Trainer):
         del pred
         before_backward()
         loss.backward()
-        return float(loss.detach()), int((labels != IGNORE_INDEX).sum())
+        return float(loss.detach()), int((labels != IGNORE_INDEX).sum()), labels.numel()
 
     def apply_update(self, grad_scale: float) -> float:
         params = [p for m in self.model_parts for p in m.parameters()]
