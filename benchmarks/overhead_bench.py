@@ -1,11 +1,14 @@
 """Failure-free overhead: ReCoVer (MPI path) vs stock TorchTitan HSDP, interleaved A/B runs.
 
-    python benchmarks/overhead_bench.py [--layouts 2x1,2x2,4x1] [--pairs 3] [--steps 12]
+    python benchmarks/overhead_bench.py [--layouts 2x1,2x2,4x1] [--g 1,4] [--pairs 3] [--steps 12]
     python benchmarks/overhead_bench.py --detector     # detector on vs off, same A/B scheme
 
 Each pair runs the two modes back to back on the same machine with the same config, data and
 seed; the per-run figure is the median step time over steps 3..N (steps 1-2 warm up) and the
-tokens/s derived from it (tokens per step / median step time). Prints the per-layout median of
+tokens/s derived from it (tokens per step / median step time). Both paths measure a step the
+same way: the time between two consecutive step records (the whole loop iteration, with each
+side's own loss reporting). ``--g``: gradient-accumulation steps per replica (global batch =
+G x R x S x local batch): G = 1, and G = 4 as in the 1B config. Prints the per-layout median of
 the per-pair ratios (recover / stock) and writes benchmarks/results/overhead.json and
 overhead.png. ``--quick``: layouts 2x1,2x2, 2 pairs, 8 steps.
 """
@@ -24,6 +27,7 @@ from _common import machine, plt
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "torchtitan_configs" / "debug_cpu.toml"
+LOCAL_BATCH = 2  # debug_cpu.toml's training.local_batch_size
 
 
 def run(replicas: int, ranks: int, stock: bool, steps: int,
@@ -43,6 +47,7 @@ def run(replicas: int, ranks: int, stock: bool, steps: int,
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layouts", default="2x1,2x2,4x1")
+    parser.add_argument("--g", default="1,4", help="microbatches per replica per step")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true")
@@ -55,12 +60,14 @@ def main() -> None:
     if args.detector:
         return detector_ab(args)
     results = {}
-    for layout in args.layouts.split(","):
+    for layout, g in [(lay, int(g)) for g in args.g.split(",") for lay in args.layouts.split(",")]:
         replicas, ranks = map(int, layout.split("x"))
+        batch = ("--training.global_batch_size", str(g * replicas * ranks * LOCAL_BATCH))
         pairs = []
+        layout = f"{layout} G={g}"
         for _ in range(args.pairs):
-            recover, recover_tps = run(replicas, ranks, False, args.steps)
-            stock, stock_tps = run(replicas, ranks, True, args.steps)
+            recover, recover_tps = run(replicas, ranks, False, args.steps, batch)
+            stock, stock_tps = run(replicas, ranks, True, args.steps, batch)
             pairs.append({"recover_s": recover, "stock_s": stock, "ratio": recover / stock,
                           "recover_tokens_per_s": recover_tps, "stock_tokens_per_s": stock_tps,
                           "tokens_per_s_ratio": recover_tps / stock_tps})
@@ -144,7 +151,7 @@ def _plot(results: dict, path: Path) -> None:
     for x, layout in zip(xs, layouts):
         ax.annotate(f"x{results[layout]['median_tokens_per_s_ratio']:.2f}", (x + 0.2, 0),
                     xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
-    ax.set_xticks(list(xs), layouts)
+    ax.set_xticks(list(xs), layouts, fontsize=7)
     ax.set_xlabel("layout (replicas x ranks per replica)")
     ax.set_ylabel("tokens/s (median)")
     ax.set_title("Failure-free throughput, interleaved A/B")

@@ -1,7 +1,7 @@
 """Projection to 512 and 100k GPUs from the measured component costs (a small event simulator).
 
-    python benchmarks/projection.py [--gpus 512,100000] [--hours 24] [--trials 200]
-        [--restart-s 600] [--save-s S] [--replica-gpus 8]
+    python benchmarks/projection.py [--gpus 64,512,100000] [--g-init 4,128] [--hours 24]
+        [--trials 200] [--restart-s 600] [--save-s S] [--replica-gpus 8]
 
 Reads benchmarks/results/failure_cost.json (per-failure components of both methods) and
 benchmarks/results/overhead.json (failure-free ReCoVer / stock step-time ratio), simulates a
@@ -22,9 +22,12 @@ Assumptions (also written to the output):
   A3 ReCoVer: the failure-free step time is the measured ReCoVer/stock ratio times stock's
      (ratios below 1 measured on this noisy CPU machine are clamped to 1); a failure stalls
      the survivors for the measured detect + repair + extra compute + restore; the dead replica
-     is not replaced (no re-join), so the job continues with fewer GPUs and the same per-GPU
-     rate (B is fixed; G grows). "Kept" counts the dead GPUs as lost until the end of the job
-     (conservative); "kept of held" counts only the GPUs the job still holds.
+     is not replaced (no re-join), so the job continues with W of W_init = GPUs / replica-gpus
+     replicas, B = W_init x G_init fixed, and a step takes the largest quota, G(W) = ceil(B/W)
+     microbatch times (the policy's g_raise = ceil): the useful rate is G_init / ceil(B/W) of
+     the failure-free one (e.g. W = 7 of 8 at G_init = 4: quota 5, 80%, not 7/8). "Kept"
+     counts the dead GPUs as lost until the end of the job (conservative); "kept of held"
+     counts only the GPUs the job still holds.
   A4 throughput is per GPU, relative to failure-free stock TorchTitan at the same GPU count; the
      measured seconds come from a tiny model on CPU, so only the restart (A2) is taken at the
      paper's scale. Override any component with the flags below to project other settings.
@@ -84,15 +87,23 @@ def simulate_checkpoint_restart(rng, hours, mtbf, save_s, down_s) -> dict:
             "lost_compute_s": lost}
 
 
-def simulate_recover(rng, hours, gpus, replica_gpus, recover_s, overhead) -> dict:
+def step_time_factor(replicas: int, alive: int, g_init: int) -> float:
+    """Step time with ``alive`` of ``replicas`` replicas, in failure-free step times: the largest
+    quota ceil(B / W) over G_init (A3)."""
+    return math.ceil(replicas * g_init / alive) / g_init
+
+
+def simulate_recover(rng, hours, gpus, replica_gpus, recover_s, overhead, g_init) -> dict:
     """Failure rate scales with the GPUs still held (fewer GPUs, fewer failures)."""
     horizon = hours * 3600
+    replicas = gpus // replica_gpus
     t, useful, held_time, alive, failures = 0.0, 0.0, 0.0, gpus, 0
     while t < horizon and alive > 0:
         rate = 1 / mtbf_s(alive)
         dt = rng.expovariate(rate)
         end = min(t + dt, horizon)
-        useful += alive * (end - t) / overhead
+        factor = step_time_factor(replicas, alive // replica_gpus, g_init)
+        useful += gpus * (end - t) / overhead / factor
         held_time += alive * (end - t)
         t = end
         if t >= horizon:
@@ -106,19 +117,22 @@ def simulate_recover(rng, hours, gpus, replica_gpus, recover_s, overhead) -> dic
             "failures": failures, "gpus_at_end": alive}
 
 
-def project(inputs: dict, gpus_list, hours, trials, seed) -> list[dict]:
+def project(inputs: dict, gpus_list, hours, trials, seed, g_inits=(4,)) -> list[dict]:
     rows = []
-    for gpus in gpus_list:
+    for gpus, g_init in [(g, gi) for g in gpus_list for gi in g_inits]:
         mtbf = mtbf_s(gpus)
         rng = random.Random(seed)
         down = inputs["detect_exit_s"] + inputs["restart_s"] + inputs["load_s"]
         cr = [simulate_checkpoint_restart(rng, hours, mtbf, inputs["save_s"], down)
               for _ in range(trials)]
         rng = random.Random(seed)
-        rc = [simulate_recover(rng, hours, gpus, inputs["replica_gpus"],
-                               inputs["recover_s"], inputs["overhead"]) for _ in range(trials)]
+        rc = [simulate_recover(rng, hours, gpus, inputs["replica_gpus"], inputs["recover_s"],
+                               inputs["overhead"], g_init) for _ in range(trials)]
+        replicas = gpus // inputs["replica_gpus"]
         row = {
-            "gpus": gpus, "mtbf_min": mtbf / 60,
+            "gpus": gpus, "replicas": replicas, "g_init": g_init,
+            "step_factor_after_1": step_time_factor(replicas, replicas - 1, g_init),
+            "mtbf_min": mtbf / 60,
             "expected_failures": hours * 3600 / mtbf,
             "cr_checkpoint_interval_s": cr[0]["tau_s"],
             "cr_kept": statistics.fmean(x["kept"] for x in cr),
@@ -152,7 +166,11 @@ def measured_inputs(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gpus", default="512,100000")
+    parser.add_argument("--gpus", default="64,512,100000",
+                        help="64: the 1B config (8 replicas x 8 GPUs); 512: 64 replicas")
+    parser.add_argument("--g-init", default="4,128",
+                        help="G_init, microbatches per replica per step (4: the 1B config; "
+                             "128: the paper's 64 replicas x 128 microbatches)")
     parser.add_argument("--hours", type=float, default=24.0)
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
@@ -188,7 +206,8 @@ def main() -> None:
               "scenarios": {}}
     for name, inputs in scenarios.items():
         result["scenarios"][name] = {"inputs": inputs, "rows": project(
-            inputs, gpus_list, args.hours, args.trials, args.seed)}
+            inputs, gpus_list, args.hours, args.trials, args.seed,
+            [int(g) for g in args.g_init.split(",")])}
     path = write_json("projection.json", result)
     _plot(result, args, RESULTS / "projection.png")
     print("Assumptions:\n" + "\n".join(f"  {a}" for a in ASSUMPTIONS))
@@ -207,12 +226,15 @@ def markdown(result, args=None) -> str:
                       f"{i['save_s']:.2f} s, ReCoVer per failure {i['recover_s']:.2f} s, "
                       f"ReCoVer overhead x{i['overhead']:.3f}; {args.hours:g} h job, "
                       f"{args.trials} trials)", "",
-                  "| GPUs | MTBF (min) | failures | C/R ckpt interval (s) | C/R GPU time kept | "
+                  "| GPUs | replicas x G_init | step time after 1 loss | MTBF (min) | failures | "
+                  "C/R ckpt interval (s) | C/R GPU time kept | "
                   "ReCoVer kept | ReCoVer kept of held | effective throughput ReCoVer / C/R | "
                   "break-even ReCoVer overhead |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in scenario["rows"]:
-            lines.append(f"| {r['gpus']} | {r['mtbf_min']:.1f} | {r['expected_failures']:.1f} | "
+            lines.append(f"| {r['gpus']} | {r.get('replicas', '?')} x {r.get('g_init', '?')} | "
+                         f"x{r.get('step_factor_after_1', float('nan')):.3f} | "
+                         f"{r['mtbf_min']:.1f} | {r['expected_failures']:.1f} | "
                          f"{r['cr_checkpoint_interval_s']:.0f} | {r['cr_kept']:.1%} | "
                          f"{r['recover_kept']:.1%} | {r['recover_kept_of_held']:.1%} | "
                          f"{r['throughput_ratio']:.2f} | x{r['break_even_overhead']:.3f} |")
@@ -226,14 +248,15 @@ def _plot(result, args, path) -> None:
     many = sorted({*gpus, 512, 2048, 8192, 32768, 100_000})
     for index, (name, scenario) in enumerate(result["scenarios"].items()):
         rows = project(scenario["inputs"], many, args.hours, max(20, args.trials // 4),
-                       args.seed)
+                       args.seed, [int(args.g_init.split(",")[0])])
         ax.semilogx(many, [r["cr_kept"] for r in rows], "o--", color=f"C{index}",
                     label=f"checkpoint-restart ({name})")
         ax.semilogx(many, [r["recover_kept"] for r in rows], "s-", color=f"C{index}",
                     label=f"ReCoVer ({name})")
     ax.set_xlabel("GPUs")
     ax.set_ylabel("fraction of GPU time kept")
-    ax.set_title(f"Projection ({args.hours:g} h job, MTBF = 18 min x 100k / GPUs)")
+    ax.set_title(f"Projection ({args.hours:g} h job, MTBF = 18 min x 100k / GPUs, "
+                 f"G_init = {args.g_init.split(',')[0]})", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

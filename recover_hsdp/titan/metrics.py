@@ -7,7 +7,7 @@ so both paths write the same ``metrics.jsonl`` / ``summary.json`` (``recover_hsd
   calls :meth:`RecoverMetricsProcessor.log` after every step (``should_log`` is always true, so
   the loss is reduced every step); the record is built from what TorchTitan passes in. The step
   time is the time between two ``log`` calls (step 1: since the processor was built, so it
-  includes the warm-up).
+  includes the warm-up); the ReCoVer path measures its step time the same way.
 * ReCoVer (``RecoverTrainer``): the trainer passes the manager's committed-step record to
   :meth:`RecoverMetricsProcessor.log_step`; only the writer rank writes, and only it feeds
   TorchTitan's console / TensorBoard / W&B loggers (``recover/*`` extra metrics).
@@ -57,7 +57,7 @@ class RecoverMetricsProcessor(MetricsProcessor):
         now = time.perf_counter()
         if not self.recover:
             self.outputs.log_step(self._stock_record(step, float(global_avg_loss), now))
-        self._last_log = now
+            self._last_log = now
         if self._titan_step(step):
             super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
         else:
@@ -79,7 +79,14 @@ class RecoverMetricsProcessor(MetricsProcessor):
     # ------------------------------------------------------------------ ReCoVer path
 
     def log_step(self, record: dict[str, Any], alive_ranks: int) -> None:
-        """A committed ReCoVer step (every rank keeps it; the writer writes it)."""
+        """A committed ReCoVer step (every rank keeps it; the writer writes it). Its
+        ``step_time_s`` is measured as on the stock path: the time between two step records
+        (the whole loop iteration, each side's own loss reporting included), so the two
+        paths' step times time the same work."""
+        now = time.perf_counter()
+        record["step_time_s"] = now - self._last_log
+        record["tokens_per_s_per_rank"] = record["tokens"] / record["step_time_s"] / alive_ranks
+        self._last_log = now
         self.outputs.log_step(record)
         if not self.outputs.is_writer:
             return

@@ -109,9 +109,8 @@ class RecoverTrainer(Trainer):
         record = self.manager.step(self.step, self)
         self.dataloader.consume(self.step, self.manager.committed_data)
         record["lr"] = lr
-        record["step_time_s"] = time.perf_counter() - started
+        record["train_step_s"] = time.perf_counter() - started
         alive_ranks = record["alive_replicas"] * self.replica_world.layout.ranks_per_replica
-        record["tokens_per_s_per_rank"] = record["tokens"] / record["step_time_s"] / alive_ranks
         self.ntokens_seen += record["tokens"]
         self.metrics_processor.log_step(record, alive_ranks)
 
