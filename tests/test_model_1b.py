@@ -152,4 +152,4 @@ def test_1b_config_file_trains_3_steps_on_cpu(tmp_path, local_corpus):
     assert [e.step for e in losses[0].Scalars("loss_metrics/global_avg_loss")] == [1, 2, 3]
     import pickle
     meta = pickle.loads((out / "checkpoint" / "step-3" / ".metadata").read_bytes())
-    assert {"dataloader.shard0", "train_state.workload"} <= set(meta.state_dict_metadata)
+    assert {"dataloader.shard0of1", "train_state.workload"} <= set(meta.state_dict_metadata)

@@ -27,8 +27,8 @@ so tests can check every committed sequence against data recomputed on one proce
 Checkpoints: a stream's state at its cursor (the packing buffer and the dataset's own resume
 state, e.g. the Hugging Face shard and offset) is gathered from every replica when a checkpoint
 is due (``RecoverManager.gather_for_checkpoint``) and written by the saving replica into
-TorchTitan's DCP checkpoint under ``dataloader`` (``shard<s>``: every slot's state for FSDP
-rank s). A slot whose replica died keeps its last gathered state.
+TorchTitan's DCP checkpoint under ``dataloader`` (``shard<s>of<S>``: every slot's state for
+FSDP rank s of S). A slot whose replica died keeps its last gathered state.
 """
 
 from __future__ import annotations
@@ -239,11 +239,17 @@ class StreamSource(MicrobatchSource):
                 self._saved[int(state["slot"])] = {k: v for k, v in state.items() if k != "slot"}
 
     def state_dict(self) -> dict[str, Any]:
-        return {f"shard{self.shard}": pickle.dumps({"version": 1, "slots": self.slots,
-                                                    "states": self._saved})}
+        return {self._key: pickle.dumps({"version": 1, "slots": self.slots,
+                                         "states": self._saved})}
+
+    @property
+    def _key(self) -> str:
+        """Per FSDP rank, and per S: the states of S ranks split a slot S ways (a restart with
+        another S finds no key: DCP names the missing one instead of reading wrong parts)."""
+        return f"shard{self.shard}of{self.ranks_per_replica}"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        blob = state_dict.get(f"shard{self.shard}") if state_dict else None
+        blob = state_dict.get(self._key) if state_dict else None
         if blob is None:
             return
         state = pickle.loads(blob)
