@@ -30,9 +30,20 @@ def _load(name):
 
 
 def _stamp(name) -> str:
+    """The file and when its runs were made: its mtime if it changed since the last commit,
+    else the date of the commit that last wrote it (a checkout resets mtimes)."""
+    import subprocess
+
     path = RESULTS / name
-    when = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return f"`benchmarks/results/{name}` ({when})"
+    when = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
+    git = ["git", "-C", str(RESULTS)]
+    changed = subprocess.run([*git, "status", "--porcelain", "--", name], capture_output=True,
+                             text=True).stdout.strip()
+    committed = subprocess.run([*git, "log", "-1", "--format=%ct", "--", name],
+                               capture_output=True, text=True).stdout.strip()
+    if not changed and committed:
+        when = datetime.fromtimestamp(int(committed), timezone.utc)
+    return f"`benchmarks/results/{name}` ({when.strftime('%Y-%m-%d %H:%M UTC')})"
 
 
 def build() -> str:

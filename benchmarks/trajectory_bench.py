@@ -7,7 +7,8 @@ For each data assignment (``exact``: every step commits the failure-free microba
 failure-free job and the same job with R/2 replicas really SIGKILLed (one at a time, spread over
 the run, alternating the grad_sync and backward phases), and reports mean and max |dloss| per
 step. In stream mode the steps after a failure see other microbatches, so the figure to compare
-with is the noise floor: a failure-free run with another data order (--recover.data_seed 1).
+with is the noise floor: a failure-free run with another order of the same data (the exact
+mode's shuffled windows of the same corpus; the stream itself is read in dataset order).
 Writes benchmarks/results/trajectory.json and trajectory.png.
 """
 
@@ -55,6 +56,7 @@ def main() -> None:
               for i, s in enumerate(fail_steps)]
     work = Path(tempfile.mkdtemp(prefix="recover_traj_"))
     result = {"machine": machine(), "args": vars(args), "faults": faults, "modes": {}}
+    references: dict[str, list[dict]] = {}
     try:
         for mode in args.modes.split(","):
             extra = ["--recover.data_assignment", mode]
@@ -64,13 +66,16 @@ def main() -> None:
                      "with_failures": [r["loss"] for r in failed],
                      "alive_replicas": [r["alive_replicas"] for r in failed],
                      "committed_microbatches": [r["committed_microbatches"] for r in failed],
+                     "reduced_microbatches": [r["reduced_microbatches"] for r in failed],
                      "dloss": dloss(failed, ref)}
             if mode == "stream" and not args.no_noise_floor:
-                other = run(work, f"{mode}_seed1", args.replicas, args.steps,
-                            [*extra, "--recover.data_seed", "1"])
+                other = references.get("exact") or run(
+                    work, "exact_ref", args.replicas, args.steps,
+                    ["--recover.data_assignment", "exact"])
                 entry["other_data_order"] = [r["loss"] for r in other]
                 entry["noise_floor"] = dloss(other, ref)
             result["modes"][mode] = entry
+            references[mode] = ref
             line = (f"{mode}: mean |dloss| {entry['dloss']['mean']:.2e}, max "
                     f"{entry['dloss']['max']:.2e}")
             if "noise_floor" in entry:
