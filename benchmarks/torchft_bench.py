@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import CONFIG, REPO, RESULTS, descendants, machine, read_jsonl, write_json
+from _common import CONFIG, REPO, RESULTS, descendants, machine, plt, read_jsonl, write_json
 
 LOCAL_BATCH = 2  # debug_cpu.toml
 SEQ_LEN = 128    # debug_cpu.toml
@@ -199,11 +199,15 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=5)
     parser.add_argument("--g", type=int, default=2, help="microbatches per replica per step")
     parser.add_argument("--keep", default=None, help="work in this folder and keep it")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw torchft.png from torchft.json")
     parser.add_argument("--torchft-path", default=None,
                         help="a folder torchft was installed into (pip install --target)")
     args = parser.parse_args()
     global TORCHFT_PATH
     TORCHFT_PATH = Path(args.torchft_path).resolve() if args.torchft_path else None
+    if args.plot_only:
+        return plot(json.loads((RESULTS / "torchft.json").read_text()))
     result = {"machine": machine(), "args": vars(args), "rows": []}
     with tempfile.TemporaryDirectory(prefix="recover_torchft_") as tmp:
         work = Path(args.keep or tmp)
@@ -221,7 +225,27 @@ def main() -> None:
                                                       / row["torchft"]["failure_free_step_s"])
             result["rows"].append(row)
     write_json("torchft.json", result)
+    plot(result)
     print(markdown(result))
+
+
+def plot(result: dict) -> None:
+    """torchft.png: tokens/s and microbatches per step after the failure, per system and W."""
+    pyplot = plt()
+    fig, axes = pyplot.subplots(1, 3, figsize=(10, 3.4))
+    rows = result["rows"]
+    xs = range(len(rows))
+    for offset, system, label in ((-0.2, "torchft", "TorchFT"), (0.2, "recover", "ReCoVer")):
+        for ax, key in zip(axes, ("tokens_per_s_after", "microbatches_per_step_after",
+                                  "stall_s")):
+            ax.bar([x + offset for x in xs], [r[system][key] for r in rows], 0.4, label=label)
+    for ax, title in zip(axes, ("tokens/s after the failure", "microbatches per step after "
+                                "(B = 2W)", "stall at the failure (s)")):
+        ax.set_xticks(list(xs), [f"W = {r['groups']}" for r in rows])
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "torchft.png", dpi=120)
 
 
 def markdown(result: dict) -> str:
