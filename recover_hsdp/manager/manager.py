@@ -46,9 +46,10 @@ from typing import Any, Callable, NoReturn, Protocol, Sequence
 
 import numpy as np
 
-from recover_hsdp.collectives.processes import ProcessInfo, kill_local
+from recover_hsdp.collectives.processes import ProcessInfo
 from recover_hsdp.errors import one_line
 from recover_hsdp.faults import ConsensusPoint, FaultInjector, Phase
+from recover_hsdp.manager.between_steps import BetweenSteps
 from recover_hsdp.outputs import RunMetrics, backfill_jsonl
 from recover_hsdp.workload import DataAssignment, DataRef, Role, StepPlan, WorkloadPolicy
 from recover_hsdp.workload.ledger import LedgerWriter, plan_record
@@ -61,7 +62,7 @@ class StepWork(Protocol):
         """FSDP gradient sync on (last microbatch) or off (accumulate locally)."""
 
     def forward_backward(self, data: DataRef, nominal_tokens: int,
-                         before_backward: Callable[[], None]) -> tuple[float, int]:
+                         before_backward: Callable[[], None]) -> tuple[float, int, int]:
         """Forward + backward of the microbatch at ``data`` (a global id, or a position in a
         stream slot), loss divided by ``nominal_tokens``; ``before_backward()`` between the two
         (a fault-injection point). Returns (that loss as a float, valid label tokens, label
@@ -82,7 +83,7 @@ class _StepState:
     sync_time_s: float = 0.0
 
 
-class RecoverManager:
+class RecoverManager(BetweenSteps):
     """Drives one ReCoVer step per call to :meth:`step`; see [Note: the step protocol].
 
     Args:
@@ -371,95 +372,6 @@ class RecoverManager:
         slots = {self.policy.slot_of(r) for r in dead}
         return {"unread_streams": {str(s): self.policy.cursors.get(s, 0) for s in sorted(slots)}}
 
-    def gather_for_checkpoint(self, local: Any) -> dict[int, Any]:
-        """Every alive replica's ``local`` (this shard's), agreed by all, for a checkpoint that
-        one replica writes ([Note: one replica saves]): e.g. the stream loaders' positions.
-        A death during the gather makes the agreement unclean: the world is repaired and the
-        survivors gather again (each round needs a new death). Returns replica -> value."""
-        while True:
-            values = self.world.allgather(local)
-            result = self.world.consensus(values is not None and not self.world.epoch_failed)
-            if result.retire:
-                self.world.retire("checkpoint")
-            if result.clean:
-                return dict(zip(self.world.alive_replicas, values))
-            self._log_failure_between_steps(result, "checkpoint")
-            self._end_excluded()
-            self._take_over_writer_duties()
-
-    def finish_run(self, write_outputs: Callable[[], None]) -> None:
-        """End of the run on every surviving rank; see [Note: the end of a run].
-
-        [Note: the end of a run] The run's last outputs (summary.json, final parameters, the
-        metrics and ledger lines not yet written) are written by the writer AFTER the survivors
-        agree on who is alive, and the survivors agree again once it has written. A death at any
-        point (the writer dying in the final save, a rank lost during a checkpoint save) makes
-        one of the two agreements unclean: the world is repaired, the next writer takes over
-        (back-filling what the old one had not written) and writes everything again. Each round
-        needs a new death, so this ends; then the world's last fault-tolerant agreement."""
-        while True:
-            result = self.world.consensus(not self.world.epoch_failed)
-            if result.retire:
-                self.world.retire("end of run")
-            if not result.clean:
-                self._log_failure_between_steps(result, "end of run")
-                self._end_excluded()
-            self._take_over_writer_duties()
-            if self.is_writer:
-                self.faults.at(self._current_step, Phase.FINISH)
-                write_outputs()
-            result = self.world.consensus(True)
-            if result.retire:
-                self.world.retire("end of run")
-            if result.clean:
-                break
-            self._log_failure_between_steps(result, "end of run")
-            self._end_excluded()
-        if self.ledger is not None:
-            self.ledger.close()
-        self._end_excluded(frozen_only=False)
-        self.world.finish()
-
-    def _end_failed(self, ranks: list[int]) -> None:
-        """Ranks a failed MPI call reported: end at once those frozen on this host. A frozen
-        rank keeps its sockets open, so its replica peers stay blocked in an intra-replica
-        collective (and, through their shard communicators, the other replicas) until it really
-        dies; its death frees them now instead of at their hang watchdog."""
-        self._end_on_this_host(ranks, frozen_only=True)
-
-    def _end_excluded(self, frozen_only: bool = True) -> None:
-        """SIGKILL the processes of excluded replicas that run on this host: [Note: nothing
-        left behind]. After a repair only frozen ones (stopped: they hold memory and mpirun, and
-        will never move); at the end of the run every one still there (a rank of a dead replica
-        retires by itself within its grace period, so it is not killed while it leaves)."""
-        alive = set(self.world.layout.alive_ranks())
-        self._end_on_this_host([r for r in range(len(self.procs)) if r not in alive],
-                               frozen_only)
-
-    def _end_on_this_host(self, ranks, frozen_only: bool) -> None:
-        procs = [self.procs[r] for r in ranks if r < len(self.procs)]
-        killed = kill_local([p for p in procs if p.is_frozen()] if frozen_only else procs)
-        if killed:
-            print(f"[recover-hsdp] rank {self.world.world_rank}: ended "
-                  f"{'frozen ' if frozen_only else ''}processes of ranks out of the world "
-                  f"{killed} on this host", flush=True)
-
-    def _log_failure_between_steps(self, result, phase: str) -> None:
-        self.outputs.log_event({
-            "step": self._current_step, "epoch": result.epoch, "phase": phase,
-            "dead_replicas": sorted(result.dead_replicas),
-            "alive_replicas": list(result.alive_replicas), "detect_s": result.detect_s,
-            "repair_s": result.repair_s, "repair_rounds": result.rounds,
-            "errors": self._replica_errors(result.dead_replicas),
-            **self._unread_streams(result.dead_replicas)})
-
-    def close(self) -> None:
-        """Without ``finish_run`` (a run that failed): close the ledger, then the world's last
-        fault-tolerant agreement."""
-        if self.ledger is not None:
-            self.ledger.close()
-        self.world.finish()
-
 
 def _exit_now() -> None:
     """A replica-local error ends the process ([Note: replica-local errors]) by SIGKILL, no
@@ -468,39 +380,3 @@ def _exit_now() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def build_manager(job_config, placement, model, outputs: RunMetrics,
-                  procs: Sequence[ProcessInfo] = ()) -> RecoverManager:
-    """The manager of one rank of a job: the ULFM world over ``MPI.COMM_WORLD``, the policy from
-    the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
-    rank's faults. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap)."""
-    from recover_hsdp.collectives import MPI, Deadlines, FaultTolerantWorld
-    from recover_hsdp.config import microbatches_per_replica
-    from recover_hsdp.faults import build_injector
-    from recover_hsdp.recovery import BucketSync, local_parameter_checksum
-
-    rc, training = job_config.recover, job_config.training
-    hang = rc.hang_timeout_s
-    out_dir = job_config.job.dump_folder
-    run = procs[0] if procs else None  # rank 0's process names the run: claims never mix runs
-    arbiter = (Path(out_dir) / "membership" / f"{run.host}-{run.pid}-{run.start}") if run else None
-    world = FaultTolerantWorld(
-        MPI.COMM_WORLD, placement.ranks_per_replica,
-        Deadlines(call_s=2 * hang + 30, repair_s=3 * hang + 30, hang_timeout_s=hang,
-                  retire_grace_s=min(2.0, hang / 4)), arbiter_dir=arbiter)
-    g = microbatches_per_replica(training.local_batch_size, training.global_batch_size,
-                                 placement.replicas * placement.ranks_per_replica)
-    policy = WorkloadPolicy(initial_replicas=placement.replicas, microbatches_per_replica=g,
-                            keep_spares=rc.keep_spares, data_assignment=rc.data_assignment,
-                            g_raise=rc.g_raise)
-    return RecoverManager(
-        world=world, bucket_sync=BucketSync.for_model(model, world, rc.host_snapshots),
-        policy=policy,
-        faults=build_injector(rc.faults, placement.replicas, placement.replica, placement.shard,
-                              out_dir),
-        outputs=outputs, out_dir=out_dir,
-        tokens_per_microbatch=(placement.ranks_per_replica * training.local_batch_size
-                               * training.seq_len),
-        consistency_check_interval=rc.consistency_check_interval,
-        parameter_checksum=lambda: local_parameter_checksum(model), procs=procs)
