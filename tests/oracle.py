@@ -22,6 +22,7 @@ def _stream_batches(cfg, refs, ranks_per_replica: int, slots: int) -> dict:
 
     from recover_hsdp.titan.data import open_stream_part
     from recover_hsdp.titan.sources import StreamSource
+    from recover_hsdp.workload import DataRef
 
     tokenizer = build_hf_tokenizer(cfg)
     batches = {}
@@ -32,11 +33,11 @@ def _stream_batches(cfg, refs, ranks_per_replica: int, slots: int) -> dict:
                                   ranks_per_replica=ranks_per_replica, slots=slots,
                                   local_batch_size=cfg.training.local_batch_size)
             for position in range(max(wanted) + 1):
-                ref = (slot, position)
-                batch = source.microbatch(type(refs[0])(*ref))
-                source.consume(0, [type(refs[0])(*ref)])
+                ref = DataRef(slot, position)
+                batch = source.microbatch(ref)
+                source.consume(0, [ref])
                 if position in wanted:
-                    batches[(ref, shard)] = batch
+                    batches[(tuple(ref), shard)] = batch
     return batches
 
 

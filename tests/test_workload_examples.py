@@ -158,14 +158,15 @@ def test_restart_maps_replicas_to_the_slots_that_were_read():
     assert p.orphaned_slots() == {1: 1} and p.cursors == {0: 3, 1: 1, 2: 2, 3: 2}
     state = json.loads(json.dumps(p.state_dict()))
     same = WorkloadPolicy.from_state_dict(state)
-    assert same.slot_of(2) == 2 and same.unread_slots == (1,)
+    assert same.slot_of(2) == 2 and tuple(same.orphaned_slots()) == (1,)
     fewer = WorkloadPolicy.from_state_dict(state, alive_replicas=range(2))
-    assert [fewer.slot_of(r) for r in (0, 1)] == [0, 2] and fewer.unread_slots == (1, 3)
+    assert [fewer.slot_of(r) for r in (0, 1)] == [0, 2]
+    assert tuple(fewer.orphaned_slots()) == (1, 3)
     plan = fewer.plan(2)
     assert plan.assignment(1).data_ref(plan.assignment(1).compute_ids[0]) == DataRef(2, 2)
     more = WorkloadPolicy.from_state_dict(state, alive_replicas=range(4))
     assert [more.slot_of(r) for r in range(4)] == [0, 2, 3, 1]   # the orphan last, at cursor 1
-    assert more.plan(2).assignment(3).compute_ids[0] == 1 and more.unread_slots == ()
+    assert more.plan(2).assignment(3).compute_ids[0] == 1 and more.orphaned_slots() == {}
 
 
 # ---- the paper's example -----------------------------------------------------------------------

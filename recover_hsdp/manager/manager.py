@@ -358,10 +358,11 @@ class RecoverManager(BetweenSteps):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.policy = WorkloadPolicy.from_state_dict(state,
                                                      alive_replicas=self.world.alive_replicas)
-        if self.policy.unread_slots:
+        unread = self.policy.orphaned_slots()
+        if unread:
             self.outputs.log_event({
-                "step": self.policy.step, "phase": "restart", "unread_streams": {
-                    str(s): self.policy.cursors.get(s, 0) for s in self.policy.unread_slots},
+                "step": self.policy.step, "phase": "restart",
+                "unread_streams": {str(s): cursor for s, cursor in unread.items()},
                 "slots": {str(r): self.policy.slot_of(r) for r in self.policy.alive}})
 
     def _unread_streams(self, dead) -> dict[str, Any]:
@@ -370,7 +371,8 @@ class RecoverManager(BetweenSteps):
         if self.policy.data_assignment is not DataAssignment.STREAM:
             return {}
         slots = {self.policy.slot_of(r) for r in dead}
-        return {"unread_streams": {str(s): self.policy.cursors.get(s, 0) for s in sorted(slots)}}
+        unread = self.policy.orphaned_slots(dead)
+        return {"unread_streams": {str(s): unread[s] for s in sorted(slots)}}
 
 
 def _exit_now() -> None:

@@ -42,7 +42,9 @@ import torch
 
 from torchtitan.components.dataloader import BaseDataLoader
 
-from recover_hsdp.titan.sources import ExactSource, StreamSource, microbatch_sequence_ids
+# microbatch_sequence_ids is re-exported: it is [Note: microbatch ids] below
+from recover_hsdp.titan.sources import ExactSource, StreamSource, microbatch_sequence_ids  # noqa: F401
+from recover_hsdp.workload import DataRef
 
 LOCAL_CORPUS = "local_corpus"
 LOCAL_CORPUS_VOCAB = 2048
@@ -186,8 +188,8 @@ class PackedSequences:
         return window[:-1], window[1:]
 
 
-class MicrobatchDataLoader(BaseDataLoader):
-    """Per-rank loader addressed by global microbatch id.
+class MicrobatchDataLoader(ExactSource):
+    """The exact source as stock TorchTitan's loader (the same windows per microbatch id).
 
     ``batch(m)`` returns this rank's part of microbatch ``m``. Iterating yields the
     failure-free sequence of microbatches for this replica (what stock TorchTitan consumes):
@@ -198,19 +200,14 @@ class MicrobatchDataLoader(BaseDataLoader):
 
     def __init__(self, sequences: PackedSequences, *, replica: int, replicas: int, shard: int,
                  ranks_per_replica: int, local_batch_size: int, microbatches_per_replica: int):
-        self.sequences = sequences
+        super().__init__(sequences, shard=shard, ranks_per_replica=ranks_per_replica,
+                         local_batch_size=local_batch_size)
         self.replica, self.replicas = replica, replicas
-        self.shard, self.ranks_per_replica = shard, ranks_per_replica
-        self.local_batch_size = local_batch_size
         self.microbatches_per_replica = microbatches_per_replica
         self.consumed = 0
 
     def batch(self, microbatch_id: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        rows = [self.sequences[i] for i in microbatch_sequence_ids(
-            microbatch_id, self.shard, self.ranks_per_replica, self.local_batch_size)]
-        inputs = torch.stack([row[0] for row in rows])
-        labels = torch.stack([row[1] for row in rows])
-        return {"input": inputs}, labels
+        return self.microbatch(DataRef(None, microbatch_id))
 
     def failure_free_id(self, position: int) -> int:
         step, g = divmod(position, self.microbatches_per_replica)

@@ -76,6 +76,8 @@ class MicrobatchSource(BaseDataLoader):
     """What the RecoverTrainer reads microbatches from ([Note: microbatch sources])."""
 
     sample_log: SampleLog | None = None
+    gathers_state = False
+    """Whether every replica's ``checkpoint_state`` must be gathered before a checkpoint."""
 
     def microbatch(self, ref: DataRef) -> Batch:
         """This rank's part (``local_batch_size`` sequences) of the microbatch at ``ref``."""
@@ -163,6 +165,8 @@ class StreamSource(MicrobatchSource):
         local_batch_size: windows per microbatch on this rank.
     """
 
+    gathers_state = True
+
     def __init__(self, open_part: Callable[[int, int], Any], *, shard: int,
                  ranks_per_replica: int, slots: int, local_batch_size: int):
         self._open_part = open_part
@@ -207,19 +211,20 @@ class StreamSource(MicrobatchSource):
 
     def consume(self, step: int, refs: Iterable[DataRef]) -> None:
         positions = sorted(ref.index for ref in refs if ref.stream == self.slot)
-        for position in positions:
-            if self.sample_log is not None:
-                parts = self.slots * self.ranks_per_replica
-                ref = DataRef(self.slot, position)
-                first = position * self.local_batch_size
-                self.sample_log.write(step, ref, [self.slot * self.ranks_per_replica + self.shard,
-                                                  parts, first], self._cache[position][1])
-        if positions:
-            if positions != list(range(self.cursor, self.cursor + len(positions))):
-                raise RuntimeError(f"stream slot {self.slot}: committed positions {positions} "
-                                   f"are not contiguous from the cursor {self.cursor}")
-            self.cursor = positions[-1] + 1
-            self._cache = {p: v for p, v in self._cache.items() if p >= self.cursor}
+        if not positions:
+            return
+        if positions != list(range(self.cursor, self.cursor + len(positions))):
+            raise RuntimeError(f"stream slot {self.slot}: committed positions {positions} "
+                               f"are not contiguous from the cursor {self.cursor}")
+        if self.sample_log is not None:
+            part, parts = self.slot * self.ranks_per_replica + self.shard, \
+                self.slots * self.ranks_per_replica
+            for position in positions:
+                self.sample_log.write(step, DataRef(self.slot, position),
+                                      [part, parts, position * self.local_batch_size],
+                                      self._cache[position][1])
+        self.cursor = positions[-1] + 1
+        self._cache = {p: v for p, v in self._cache.items() if p >= self.cursor}
 
     def checkpoint_state(self) -> dict[str, Any] | None:
         if self.slot is None:

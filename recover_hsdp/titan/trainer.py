@@ -55,7 +55,7 @@ class ReplicaCheckpointer:
             return
         if not (last_step and inner.last_save_model_only):  # the loader state goes in too
             source = inner.states["dataloader"]
-            if self._manager.policy.data_assignment.value == "stream":
+            if source.gathers_state:
                 states = self._manager.gather_for_checkpoint(source.checkpoint_state())
                 source.set_gathered(states.values())
         if self._manager.saves_checkpoints:

@@ -265,7 +265,6 @@ class WorkloadPolicy:
                                  else alive_replicas)
         self.cursors: dict[int, int] = {}   # stream slot -> positions committed
         self.slots: dict[int, int] = {}     # replica -> stream slot (default: its own id)
-        self.unread_slots: tuple[int, ...] = ()  # slots no replica reads since a restart
 
     # ---- policy rules -------------------------------------------------------------------------
     def g_for(self, alive_count: int) -> int:
@@ -395,8 +394,8 @@ class WorkloadPolicy:
         resuming it needs the dead ranks' packing buffers and stream offsets, which died with
         them, so the survivors would have to replay it from the last checkpoint while the
         whole job waits; its unread remainder (from its cursor) is recorded in events.jsonl
-        and it stays resumable by a restart. Slots no replica reads after a restart are in
-        ``unread_slots``."""
+        and it stays resumable by a restart. Slots no replica reads after a restart are
+        ``orphaned_slots()``."""
         if state.get("version") not in (1, 2):
             raise ValueError(f"unknown workload state version {state.get('version')!r}")
         p = cls(initial_replicas=state["initial_replicas"],
@@ -416,7 +415,6 @@ class WorkloadPolicy:
                 p.slots = {r: saved.get(r, r) for r in p.alive}
             else:
                 p.slots = dict(zip(p.alive, was_read + orphans + never))
-            p.unread_slots = tuple(sorted(set(p.cursors) - set(p.slots.values())))
         return p
 
 
