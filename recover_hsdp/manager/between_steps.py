@@ -27,13 +27,8 @@ class BetweenSteps:
         survivors gather again (each round needs a new death). Returns replica -> value."""
         while True:
             values = self.world.allgather(local)
-            result = self.world.consensus(values is not None and not self.world.epoch_failed)
-            if result.retire:
-                self.world.retire("checkpoint")
-            if result.clean:
+            if self._agree(values is not None and not self.world.epoch_failed, "checkpoint"):
                 return dict(zip(self.world.alive_replicas, values))
-            self._log_failure_between_steps(result, "checkpoint")
-            self._end_excluded()
             self._take_over_writer_duties()
 
     def finish_run(self, write_outputs: Callable[[], None]) -> None:
@@ -47,27 +42,29 @@ class BetweenSteps:
         (back-filling what the old one had not written) and writes everything again. Each round
         needs a new death, so this ends; then the world's last fault-tolerant agreement."""
         while True:
-            result = self.world.consensus(not self.world.epoch_failed)
-            if result.retire:
-                self.world.retire("end of run")
-            if not result.clean:
-                self._log_failure_between_steps(result, "end of run")
-                self._end_excluded()
+            self._agree(not self.world.epoch_failed, "end of run")
             self._take_over_writer_duties()
             if self.is_writer:
                 self.faults.at(self._current_step, Phase.FINISH)
                 write_outputs()
-            result = self.world.consensus(True)
-            if result.retire:
-                self.world.retire("end of run")
-            if result.clean:
+            if self._agree(True, "end of run"):
                 break
-            self._log_failure_between_steps(result, "end of run")
-            self._end_excluded()
         if self.ledger is not None:
             self.ledger.close()
         self._end_excluded(frozen_only=False)
         self.world.finish()
+
+    def _agree(self, ok: bool, phase: str) -> bool:
+        """One fault-tolerant agreement between steps: a rank excluded by it retires; after an
+        unclean one (the world was repaired) the failure is logged and frozen excluded
+        processes on this host are ended. Returns whether it was clean."""
+        result = self.world.consensus(ok)
+        if result.retire:
+            self.world.retire(phase)
+        if not result.clean:
+            self._log_failure_between_steps(result, phase)
+            self._end_excluded()
+        return result.clean
 
     def _end_failed(self, ranks: list[int]) -> None:
         """Ranks a failed MPI call reported: end at once those frozen on this host. A frozen
