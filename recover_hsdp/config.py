@@ -54,8 +54,9 @@ class Recover:
     cross-replica gradient reduce through fault-tolerant MPI. False: stock TorchTitan."""
 
     ranks_per_replica: int = 1
-    """S, the FSDP shard degree inside one replica (its torch.distributed world). The number of
-    replicas R is the MPI world size divided by S. A replica lives or dies as a unit."""
+    """S, the ranks of one replica (its torch.distributed world): FSDP degree x
+    ``parallelism.tensor_parallel_degree`` ([Note: replica layout]). The number of replicas R is
+    the MPI world size divided by S. A replica lives or dies as a unit."""
 
     data_assignment: Literal["exact", "stream"] = "exact"
     """``exact``: step t commits exactly global microbatch ids t*B..t*B+B-1, also after failures
@@ -157,23 +158,47 @@ def microbatches_per_replica(local_batch_size: int, global_batch_size: int,
 
 
 def check_batch_sizes(local_batch_size: int, global_batch_size: int, replicas: int,
-                      ranks_per_replica: int) -> int:
-    """Return G (microbatches per replica per step) or raise a one-line ConfigError."""
+                      data_ranks_per_replica: int) -> int:
+    """Return G (microbatches per replica per step) or raise a one-line ConfigError.
+    ``data_ranks_per_replica``: D = S / tensor_parallel_degree ([Note: replica layout])."""
     if replicas < 1:
         raise ConfigError(f"--replicas must be >= 1 (got {replicas})")
-    if ranks_per_replica < 1:
-        raise ConfigError(f"recover.ranks_per_replica must be >= 1 (got {ranks_per_replica}): "
-                          "set --ranks-per-replica to the FSDP shard degree")
+    if data_ranks_per_replica < 1:
+        raise ConfigError(f"recover.ranks_per_replica must be >= 1 (got "
+                          f"{data_ranks_per_replica}): set --ranks-per-replica to the number of "
+                          "ranks in one replica (FSDP degree x TP degree)")
     if local_batch_size < 1:
         raise ConfigError(f"training.local_batch_size must be >= 1 (got {local_batch_size})")
-    per_microbatch = local_batch_size * replicas * ranks_per_replica
+    per_microbatch = local_batch_size * replicas * data_ranks_per_replica
     if global_batch_size >= 0 and (global_batch_size == 0 or global_batch_size % per_microbatch):
         raise ConfigError(
             f"training.global_batch_size={global_batch_size} is not a positive multiple of "
-            f"local_batch_size x replicas x ranks_per_replica = {local_batch_size} x {replicas} x "
-            f"{ranks_per_replica} = {per_microbatch}: set it to a multiple of {per_microbatch}")
+            f"local_batch_size x replicas x FSDP ranks per replica = {local_batch_size} x "
+            f"{replicas} x {data_ranks_per_replica} = {per_microbatch}: set it to a multiple of "
+            f"{per_microbatch}")
     return microbatches_per_replica(local_batch_size, global_batch_size,
-                                    replicas * ranks_per_replica)
+                                    replicas * data_ranks_per_replica)
+
+
+def data_ranks_per_replica(ranks_per_replica: int, tensor_parallel_degree: int) -> int:
+    """D, the FSDP (data-parallel) degree inside a replica of S = D x T ranks, or a one-line
+    ConfigError.
+
+    [Note: replica layout] A replica is TorchTitan's own parallel dims over its S ranks:
+    FSDP degree D x tensor-parallel degree T (``parallelism.tensor_parallel_degree``), ranks
+    ordered as TorchTitan's mesh orders them (replica rank s = d * T + t). The T ranks of one
+    FSDP rank d compute the same microbatch (TP splits the layers, not the data): data is read
+    per FSDP rank (D parts per replica), and the step's loss / token counts are counted once
+    per FSDP rank (its t = 0 rank). Every rank holds its own gradient shard (FSDP x TP), so
+    the cross-replica reduce is per replica rank s: the shard communicators of
+    :mod:`recover_hsdp.collectives` join the ranks at the same s of every replica, whatever the
+    inner layout."""
+    if tensor_parallel_degree < 1 or ranks_per_replica % tensor_parallel_degree:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={tensor_parallel_degree} does not divide "
+            f"recover.ranks_per_replica={ranks_per_replica}: a replica is FSDP x TP ranks; set "
+            "--ranks-per-replica to FSDP degree x tensor_parallel_degree")
+    return ranks_per_replica // tensor_parallel_degree
 
 
 def check_world_size(world_size: int, ranks_per_replica: int) -> int:
@@ -193,7 +218,9 @@ def validate(job_config, world_size: int | None = None) -> None:
     if world_size is not None:
         replicas = check_world_size(world_size, rc.ranks_per_replica)
         check_batch_sizes(job_config.training.local_batch_size,
-                          job_config.training.global_batch_size, replicas, rc.ranks_per_replica)
+                          job_config.training.global_batch_size, replicas,
+                          data_ranks_per_replica(rc.ranks_per_replica,
+                                                 job_config.parallelism.tensor_parallel_degree))
     from recover_hsdp.workload import validate_workload_fields
 
     try:
@@ -220,11 +247,18 @@ def validate(job_config, world_size: int | None = None) -> None:
     if rc.hang_timeout_s <= 0:
         raise ConfigError(f"recover.hang_timeout_s must be > 0 (got {rc.hang_timeout_s})")
     par = job_config.parallelism
-    for name in ("tensor_parallel_degree", "pipeline_parallel_degree",
-                 "context_parallel_degree", "expert_parallel_degree"):
+    data_ranks_per_replica(rc.ranks_per_replica, par.tensor_parallel_degree)
+    if par.pipeline_parallel_degree != 1:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree={par.pipeline_parallel_degree}: pipeline "
+            "parallelism inside a replica is not supported (TorchTitan's pipeline schedule "
+            "syncs FSDP gradients at the end of every schedule step, the step protocol needs one "
+            "sync after a variable quota of microbatches; see README 'Parallelism inside a "
+            "replica'); set it to 1")
+    for name in ("context_parallel_degree", "expert_parallel_degree"):
         if getattr(par, name) != 1:
             raise ConfigError(f"parallelism.{name}={getattr(par, name)}: recover-hsdp supports "
-                              "FSDP/HSDP only; set it to 1")
+                              "FSDP x TP inside a replica; set it to 1")
 
 
 STREAMING_DATASETS = ("c4", "c4_validation")

@@ -29,8 +29,8 @@ def _stream_batches(cfg, refs, ranks_per_replica: int, slots: int) -> dict:
     for slot in sorted({ref.stream for ref in refs}):
         wanted = {ref.index for ref in refs if ref.stream == slot}
         for shard in range(ranks_per_replica):
-            source = StreamSource(open_stream_part(cfg, tokenizer), shard=shard,
-                                  ranks_per_replica=ranks_per_replica, slots=slots,
+            source = StreamSource(open_stream_part(cfg, tokenizer), fsdp_rank=shard,
+                                  fsdp_degree=ranks_per_replica, slots=slots,
                                   local_batch_size=cfg.training.local_batch_size)
             for position in range(max(wanted) + 1):
                 ref = DataRef(slot, position)

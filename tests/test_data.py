@@ -9,7 +9,7 @@ from recover_hsdp.titan.data import MicrobatchDataLoader, PackedSequences, micro
 def _loader(replica=1, replicas=3, shard=0, ranks=2, lbs=2, g=2):
     tokens = np.arange(10_000, dtype=np.int32)
     return MicrobatchDataLoader(PackedSequences(tokens, seq_len=8, seed=0), replica=replica,
-                                replicas=replicas, shard=shard, ranks_per_replica=ranks,
+                                replicas=replicas, fsdp_rank=shard, fsdp_degree=ranks,
                                 local_batch_size=lbs, microbatches_per_replica=g)
 
 

@@ -34,8 +34,8 @@ def _job(path, dataset="c4", dump="/tmp", assignment="stream"):
 
 
 def _source(c4, shard=0, ranks=1, slots=2):
-    return StreamSource(open_stream_part(_job(c4), tokenizer()), shard=shard,
-                        ranks_per_replica=ranks, slots=slots, local_batch_size=LBS)
+    return StreamSource(open_stream_part(_job(c4), tokenizer()), fsdp_rank=shard,
+                        fsdp_degree=ranks, slots=slots, local_batch_size=LBS)
 
 
 def _crcs(batch):
@@ -101,7 +101,7 @@ def test_exact_mode_packs_a_map_style_dataset(c4, tmp_path):
     assert pack_dataset(job, tokenizer()) == tokens       # cached
     import numpy as np
     seqs = PackedSequences(np.load(tokens), SEQ)
-    source = ExactSource(seqs, shard=1, ranks_per_replica=2, local_batch_size=LBS)
+    source = ExactSource(seqs, fsdp_rank=1, fsdp_degree=2, local_batch_size=LBS)
     inputs = source.microbatch(DataRef(None, 3))[0]["input"]
     torch.testing.assert_close(inputs[0], seqs[(3 * 2 + 1) * LBS][0])
     with pytest.raises(ConfigError, match="loads as a stream"):

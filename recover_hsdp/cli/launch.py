@@ -20,7 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-from recover_hsdp.config import ConfigError, check_batch_sizes, load_toml, validate
+from recover_hsdp.config import (
+    ConfigError,
+    check_batch_sizes,
+    data_ranks_per_replica,
+    load_toml,
+    validate,
+)
 from recover_hsdp.outputs import clear_run_files
 from recover_hsdp.collectives.mpirun import (check_ulfm_mpirun, default_mpirun,
                                              heartbeat_detector_args, mpirun_prefix)
@@ -94,14 +100,16 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
     TorchTitan's ``ConfigManager`` with exactly the arguments every rank will get, and checked
     with the same ``validate`` the ranks run: bad input stops here with one line."""
     out = Path(args.out or Path("outputs") / Path(args.config).stem).resolve()
-    ranks_per_replica = args.ranks_per_replica or read_job_config(
-        args.config, list(args.overrides)).recover.ranks_per_replica
+    base = read_job_config(args.config, list(args.overrides))
+    ranks_per_replica = args.ranks_per_replica or base.recover.ranks_per_replica
     ranks = args.replicas * ranks_per_replica
+    fsdp_degree = data_ranks_per_replica(ranks_per_replica,
+                                         base.parallelism.tensor_parallel_degree)
     train = ["--job.config_file", str(args.config), "--job.dump_folder", str(out)]
     if args.stock:
         train += ["--recover.no-enable",
                   "--parallelism.data_parallel_replicate_degree", str(args.replicas),
-                  "--parallelism.data_parallel_shard_degree", str(ranks_per_replica)]
+                  "--parallelism.data_parallel_shard_degree", str(fsdp_degree)]
     else:
         train += ["--recover.enable", "--recover.ranks_per_replica", str(ranks_per_replica)]
     if args.fault:
@@ -113,8 +121,12 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
     train += list(args.overrides)
     job = read_job_config(args.config, train[2:])
     check_batch_sizes(job.training.local_batch_size, job.training.global_batch_size,
-                      args.replicas, ranks_per_replica)
+                      args.replicas, data_ranks_per_replica(
+                          ranks_per_replica, job.parallelism.tensor_parallel_degree))
     validate(job, world_size=ranks)
+    from recover_hsdp.titan.model_spec import check_model_parallelism
+
+    check_model_parallelism(job)
     if args.stock:
         torchrun = _tool("torchrun") or "torchrun"
         launcher = [torchrun, "--standalone", "--nproc_per_node", str(ranks)]
@@ -182,7 +194,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="TorchTitan TOML config")
     train.add_argument("--replicas", type=int, default=2, help="R, data-parallel replicas")
     train.add_argument("--ranks-per-replica", type=int, default=None,
-                       help="S, FSDP ranks per replica (default: [recover] ranks_per_replica)")
+                       help="S, ranks per replica: FSDP degree x tensor_parallel_degree "
+                       "(default: [recover] ranks_per_replica)")
     train.add_argument("--stock", action="store_true", help="stock TorchTitan HSDP via torchrun")
     train.add_argument("--out", default=None, help="output directory (default outputs/<config>)")
     train.add_argument("--fault", action="append", default=[], metavar="SPEC",

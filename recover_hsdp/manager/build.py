@@ -17,7 +17,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics,
     the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
     rank's faults. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap)."""
     from recover_hsdp.collectives import MPI, Deadlines, FaultTolerantWorld
-    from recover_hsdp.config import microbatches_per_replica
+    from recover_hsdp.config import data_ranks_per_replica, microbatches_per_replica
     from recover_hsdp.faults import build_injector
     from recover_hsdp.recovery import BucketSync, local_parameter_checksum
 
@@ -30,8 +30,10 @@ def build_manager(job_config, placement, model, outputs: RunMetrics,
         MPI.COMM_WORLD, placement.ranks_per_replica,
         Deadlines(call_s=2 * hang + 30, repair_s=3 * hang + 30, hang_timeout_s=hang,
                   retire_grace_s=min(2.0, hang / 4)), arbiter_dir=arbiter)
+    tp = job_config.parallelism.tensor_parallel_degree  # [Note: replica layout] (config.py)
+    fsdp_degree = data_ranks_per_replica(placement.ranks_per_replica, tp)
     g = microbatches_per_replica(training.local_batch_size, training.global_batch_size,
-                                 placement.replicas * placement.ranks_per_replica)
+                                 placement.replicas * fsdp_degree)
     policy = WorkloadPolicy(initial_replicas=placement.replicas, microbatches_per_replica=g,
                             keep_spares=rc.keep_spares, data_assignment=rc.data_assignment,
                             g_raise=rc.g_raise)
@@ -41,7 +43,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics,
         faults=build_injector(rc.faults, placement.replicas, placement.replica, placement.shard,
                               out_dir),
         outputs=outputs, out_dir=out_dir,
-        tokens_per_microbatch=(placement.ranks_per_replica * training.local_batch_size
-                               * training.seq_len),
+        tokens_per_microbatch=fsdp_degree * training.local_batch_size * training.seq_len,
+        counts_data=placement.shard % tp == 0,
         consistency_check_interval=rc.consistency_check_interval,
         parameter_checksum=lambda: local_parameter_checksum(model), procs=procs)

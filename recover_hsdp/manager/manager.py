@@ -93,20 +93,24 @@ class RecoverManager(BetweenSteps):
         faults: this rank's ``FaultInjector``.
         outputs: ``RunMetrics`` of this rank (writes only while this rank is the writer).
         out_dir: the run's output folder (ledger).
-        tokens_per_microbatch: label tokens of one microbatch of one replica (S x batch x seq).
+        tokens_per_microbatch: label tokens of one microbatch of one replica (D x batch x seq:
+            its FSDP ranks' parts, [Note: replica layout] in config.py).
         consistency_check_interval: every this many steps compare parameter checksums across
             replicas (0: never); ``parameter_checksum`` computes this rank's.
         procs: every world rank's process (bootstrap), to end excluded ones on this host
             ([Note: nothing left behind] in ``recover_hsdp.collectives.processes``).
         die: ends this rank after a replica-local error (default: exit the process at once;
             tests pass the fake world's kill).
+        counts_data: this rank's loss and token counts enter the step's totals (False on the
+            tensor-parallel peers of an FSDP rank: they computed the same microbatch).
     """
 
     def __init__(self, *, world, bucket_sync, policy: WorkloadPolicy, faults: FaultInjector,
                  outputs: RunMetrics, out_dir: str | Path, tokens_per_microbatch: int,
                  consistency_check_interval: int = 0,
                  parameter_checksum: Callable[[], float] | None = None,
-                 procs: Sequence[ProcessInfo] = (), die: Callable[[], None] | None = None):
+                 procs: Sequence[ProcessInfo] = (), die: Callable[[], None] | None = None,
+                 counts_data: bool = True):
         self.world = world
         self.bucket_sync = bucket_sync
         self.policy = policy
@@ -118,6 +122,7 @@ class RecoverManager(BetweenSteps):
         self.parameter_checksum = parameter_checksum
         self.procs = list(procs)
         self.die = die or _exit_now
+        self.counts_data = counts_data
         self.replica, self.shard = world.replica, world.shard
         self._ledger_records: list[dict] = []  # every rank keeps them: a new writer back-fills
         self.outputs.set_writer(self.is_writer)
@@ -242,12 +247,13 @@ class RecoverManager(BetweenSteps):
 
     def _committed_totals(self, mine, state: _StepState) -> np.ndarray:
         """Global sums of (loss, valid tokens, token positions, microbatch gradients reduced,
-        ranks whose buckets disagree) of the committed microbatches, all measured ([Note: measured microbatches]): every
-        rank adds its part, so the last two must come to S x B microbatch gradients and B x
-        tokens per microbatch. A failed reduce returns garbage and fails the epoch
+        ranks whose buckets disagree) of the committed microbatches, all measured ([Note: measured
+        microbatches]): every rank adds its buckets' count, so the sum must come to S x B
+        microbatch gradients; one rank per FSDP rank adds its loss and tokens, so the positions
+        must come to B x tokens per microbatch. A failed reduce returns garbage and fails the epoch
         (recomputed after the repair)."""
         local = np.zeros(5, np.float64)
-        for microbatch in mine.committed_ids:
+        for microbatch in mine.committed_ids if self.counts_data else ():
             local[:3] += state.stats.get(microbatch, (0.0, 0, 0))  # missing: not computed
         count, agree = self.bucket_sync.reduced_microbatches()
         local[3:] = count, not agree

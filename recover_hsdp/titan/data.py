@@ -9,9 +9,10 @@ TorchTitan's own ``HuggingFaceTokenizer`` loads it.
 [Note: microbatch ids] The tokenized corpus is packed into fixed-length sequences and shuffled
 once with a fixed seed, so the dataset is map-style: a global microbatch id ``m`` maps to fixed
 tokens, whatever replica computes it. A microbatch is what one replica consumes in one
-forward/backward: ``S * local_batch_size`` sequences, ``local_batch_size`` per shard rank:
+forward/backward: ``D * local_batch_size`` sequences, ``local_batch_size`` per FSDP rank d of
+the replica's D (= S ranks / tensor_parallel_degree, [Note: replica layout] in config.py):
 
-    sequence(m, shard s, k) = m * S * lbs + s * lbs + k          (k < lbs)
+    sequence(m, FSDP rank d, k) = m * D * lbs + d * lbs + k          (k < lbs)
 
 In the failure-free run replica r's g-th microbatch of step t (t from 0) is ``t*B + r*G + g``;
 stock HSDP and the MPI path both use that mapping, which is what makes them comparable step by
@@ -198,9 +199,9 @@ class MicrobatchDataLoader(ExactSource):
     different G (fewer replicas, same global batch) continues at the same global position.
     """
 
-    def __init__(self, sequences: PackedSequences, *, replica: int, replicas: int, shard: int,
-                 ranks_per_replica: int, local_batch_size: int, microbatches_per_replica: int):
-        super().__init__(sequences, shard=shard, ranks_per_replica=ranks_per_replica,
+    def __init__(self, sequences: PackedSequences, *, replica: int, replicas: int, fsdp_rank: int,
+                 fsdp_degree: int, local_batch_size: int, microbatches_per_replica: int):
+        super().__init__(sequences, fsdp_rank=fsdp_rank, fsdp_degree=fsdp_degree,
                          local_batch_size=local_batch_size)
         self.replica, self.replicas = replica, replicas
         self.microbatches_per_replica = microbatches_per_replica
@@ -311,16 +312,17 @@ def build_tokenizer(job_config):
 
 
 def resolve_replica_layout(job_config, dp_world_size: int, dp_rank: int) -> tuple[int, int, int, int]:
-    """(replicas R, this replica r, ranks per replica S, this shard s) for a data-parallel rank.
+    """(replicas R, this replica r, FSDP degree D, this FSDP rank d) for a data-parallel rank
+    (TorchTitan's data-parallel world: tensor-parallel peers share a rank, [Note: replica layout]).
 
-    Stock HSDP: TorchTitan's data-parallel world is all R*S ranks, rank = r*S + s. MPI path:
-    TorchTitan only sees the replica's S ranks; R and r come from the MPI bootstrap.
+    Stock HSDP: TorchTitan's data-parallel world is all R*D ranks, rank = r*D + d. MPI path:
+    TorchTitan only sees the replica's D data-parallel ranks; R and r come from the MPI bootstrap.
     """
     if job_config.recover.enable:
         from recover_hsdp.manager.bootstrap import current_placement  # MPI path only
 
         layout = current_placement()
-        return layout.replicas, layout.replica, layout.ranks_per_replica, dp_rank
+        return layout.replicas, layout.replica, dp_world_size, dp_rank
     shard_degree = job_config.parallelism.data_parallel_shard_degree
     replicate = job_config.parallelism.data_parallel_replicate_degree
     if shard_degree < 1:
@@ -332,30 +334,31 @@ def resolve_replica_layout(job_config, dp_world_size: int, dp_rank: int) -> tupl
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) -> BaseDataLoader:
     """TorchTitan dataloader builder (TrainSpec.build_dataloader_fn).
 
-    Stock HSDP passes the whole data-parallel world (R*S ranks, rank = r*S + s). The MPI path
-    passes only the replica's torch world; the replica id then comes from the MPI bootstrap.
+    Stock HSDP passes the whole data-parallel world (R*D ranks, rank = r*D + d). The MPI path
+    passes only the replica's data-parallel world (D ranks; D = S without tensor parallelism);
+    the replica id then comes from the MPI bootstrap.
     """
     from recover_hsdp.config import microbatches_per_replica
 
-    replicas, replica, ranks_per_replica, shard = resolve_replica_layout(
+    replicas, replica, fsdp_degree, fsdp_rank = resolve_replica_layout(
         job_config, dp_world_size, dp_rank)
     lbs = job_config.training.local_batch_size
     stream = job_config.recover.data_assignment == "stream"
     if job_config.recover.enable:  # the MPI path: [Note: microbatch sources]
         if stream:
-            return StreamSource(open_stream_part(job_config, tokenizer), shard=shard,
-                                ranks_per_replica=ranks_per_replica, slots=replicas,
+            return StreamSource(open_stream_part(job_config, tokenizer), fsdp_rank=fsdp_rank,
+                                fsdp_degree=fsdp_degree, slots=replicas,
                                 local_batch_size=lbs)
-        return ExactSource(load_sequences(job_config, tokenizer), shard=shard,
-                           ranks_per_replica=ranks_per_replica, local_batch_size=lbs)
-    if stream:  # stock TorchTitan: its own text dataloader over the R x S parts
+        return ExactSource(load_sequences(job_config, tokenizer), fsdp_rank=fsdp_rank,
+                           fsdp_degree=fsdp_degree, local_batch_size=lbs)
+    if stream:  # stock TorchTitan: its own text dataloader over the R x D parts
         from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
-        return build_text_dataloader(replicas * ranks_per_replica,
-                                     replica * ranks_per_replica + shard, tokenizer, job_config)
+        return build_text_dataloader(replicas * fsdp_degree,
+                                     replica * fsdp_degree + fsdp_rank, tokenizer, job_config)
     return MicrobatchDataLoader(
-        load_sequences(job_config, tokenizer), replica=replica, replicas=replicas, shard=shard,
-        ranks_per_replica=ranks_per_replica, local_batch_size=lbs,
+        load_sequences(job_config, tokenizer), replica=replica, replicas=replicas,
+        fsdp_rank=fsdp_rank, fsdp_degree=fsdp_degree, local_batch_size=lbs,
         microbatches_per_replica=microbatches_per_replica(
-            lbs, job_config.training.global_batch_size, replicas * ranks_per_replica),
+            lbs, job_config.training.global_batch_size, replicas * fsdp_degree),
     )

@@ -67,10 +67,11 @@ class RecoverMetricsProcessor(MetricsProcessor):
     def _stock_record(self, step: int, loss: float, now: float) -> dict[str, Any]:
         training, parallelism = self.job_config.training, self.job_config.parallelism
         world = dist.get_world_size() if dist.is_initialized() else 1
+        data_ranks = world // parallelism.tensor_parallel_degree  # TP peers share their data
         accumulation = microbatches_per_replica(training.local_batch_size,
-                                                training.global_batch_size, world)
+                                                training.global_batch_size, data_ranks)
         replicas = max(1, parallelism.data_parallel_replicate_degree)
-        tokens = training.local_batch_size * training.seq_len * world * accumulation
+        tokens = training.local_batch_size * training.seq_len * data_ranks * accumulation
         step_time = now - self._last_log
         return {"step": step, "loss": loss, "step_time_s": step_time, "tokens": tokens,
                 "alive_replicas": replicas, "committed_microbatches": accumulation * replicas,

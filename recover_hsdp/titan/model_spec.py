@@ -7,10 +7,12 @@ Registered through TorchTitan's public ``register_train_spec``; configs select i
   ffn_dim_multiplier 1.5, multiple_of 256, rope_theta 500000, vocab 128256) with the output
   projection tied to the token embedding as in Llama 3.2 (1.24B parameters; untied 1.50B);
 - dataloader/tokenizer: :mod:`recover_hsdp.titan.data` (local corpus on CPU, C4 on clusters);
-- parallelize: always FSDP2. TorchTitan falls back to DDP when the shard degree is 1, and the
-  MPI path's one-rank replica world would get no data parallelism at all; both need FSDP2's
-  all-reduce hook / HSDP semantics, so with shard degree 1 the model is wrapped with
-  ``fully_shard`` over a (replicate, 1) mesh (stock) or a 1-rank mesh (one-rank replica).
+- parallelize: TorchTitan's tensor parallelism (when ``tensor_parallel_degree`` > 1), then
+  always FSDP2. TorchTitan falls back to DDP when the shard degree is 1, and the MPI path's
+  one-rank replica world would get no data parallelism at all; both need FSDP2's all-reduce
+  hook / HSDP semantics, so with shard degree 1 the model is wrapped with ``fully_shard`` over a
+  (replicate, 1) mesh (stock) or a 1-rank mesh (one-rank replica), taken from TorchTitan's own
+  mesh when TP is on (FSDP2 needs the TP and FSDP meshes to share a root).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torchtitan.models.llama3.model.model import Transformer
 from torchtitan.protocols.train_spec import register_train_spec
 import torchtitan.tools.utils as tt_utils
 
+from recover_hsdp.errors import ConfigError
 from recover_hsdp.titan import data
 from recover_hsdp.titan.cpu_runtime import use_sum_reduce_scatter_on_gloo
 from recover_hsdp.titan.metrics import build_metrics_processor
@@ -80,8 +83,21 @@ class _WithoutDataParallel:
         return getattr(self._dims, name)
 
 
+def check_model_parallelism(job_config) -> None:
+    """One-line refusal of a model/parallelism pair that cannot work (launcher and ranks)."""
+    args = RECOVER_LLAMA3_FLAVORS.get(job_config.model.flavor)
+    tp = job_config.parallelism.tensor_parallel_degree
+    if tp > 1 and getattr(args, "tie_word_embeddings", False):
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={tp} with model.flavor="
+            f"{job_config.model.flavor!r}: its output projection is tied to the token embedding, "
+            "and TorchTitan's TP plan shards the two as separate parameters (the tie would be "
+            "lost); use tensor_parallel_degree = 1 for this flavor")
+
+
 def parallelize_always_fsdp(model, parallel_dims, job_config):
     """TP/AC/compile as TorchTitan does, then FSDP2 whatever the shard degree."""
+    check_model_parallelism(job_config)
     tied = getattr(model.model_args, "tie_word_embeddings", False)
     if parallel_dims.fsdp_enabled and not tied:
         model = parallelize_llama(model, parallel_dims, job_config)
@@ -98,6 +114,12 @@ def _data_parallel_mesh(parallel_dims):
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
         return parallel_dims.get_mesh(names)
+    if parallel_dims.tp_enabled:  # the data-parallel dims of TorchTitan's own (pp, dp_replicate,
+        # fsdp, tp) mesh: TP's DTensors and FSDP's mesh must share a root mesh. Its size-1 fsdp dim
+        # has a "fake" group, which FSDP2 never calls (at size 1 it copies instead of scattering).
+        parallel_dims.get_optional_mesh("tp")  # builds the meshes
+        names = ("dp_replicate", "fsdp") if parallel_dims.dp_replicate > 1 else ("fsdp",)
+        return parallel_dims._global_meshes["dense"][names]  # no public getter at degree 1
     device_type = tt_utils.device_type  # "cpu" once recover_hsdp.titan.cpu_runtime is installed
     if parallel_dims.dp_replicate > 1:
         return init_device_mesh(device_type, (parallel_dims.dp_replicate, 1),

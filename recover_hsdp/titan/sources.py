@@ -48,11 +48,11 @@ from recover_hsdp.workload import DataRef
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
-def microbatch_sequence_ids(microbatch_id: int, shard: int, ranks_per_replica: int,
+def microbatch_sequence_ids(microbatch_id: int, fsdp_rank: int, fsdp_degree: int,
                             local_batch_size: int) -> range:
     """Sequence indices one shard rank feeds for a microbatch ([Note: microbatch ids] in
     data.py)."""
-    first = (microbatch_id * ranks_per_replica + shard) * local_batch_size
+    first = (microbatch_id * fsdp_degree + fsdp_rank) * local_batch_size
     return range(first, first + local_batch_size)
 
 
@@ -101,12 +101,12 @@ class MicrobatchSource(BaseDataLoader):
 class ExactSource(MicrobatchSource):
     """Global microbatch ids over packed, shuffled, fixed windows ([Note: microbatch ids])."""
 
-    def __init__(self, sequences, *, shard: int, ranks_per_replica: int, local_batch_size: int):
-        self.sequences, self.shard = sequences, shard
-        self.ranks_per_replica, self.local_batch_size = ranks_per_replica, local_batch_size
+    def __init__(self, sequences, *, fsdp_rank: int, fsdp_degree: int, local_batch_size: int):
+        self.sequences, self.fsdp_rank = sequences, fsdp_rank
+        self.fsdp_degree, self.local_batch_size = fsdp_degree, local_batch_size
 
     def _ids(self, microbatch: int) -> range:
-        return microbatch_sequence_ids(microbatch, self.shard, self.ranks_per_replica,
+        return microbatch_sequence_ids(microbatch, self.fsdp_rank, self.fsdp_degree,
                                        self.local_batch_size)
 
     def microbatch(self, ref: DataRef) -> Batch:
@@ -159,18 +159,19 @@ class StreamSource(MicrobatchSource):
     Args:
         open_part: ``(part, parts) -> dataset``: TorchTitan's ``HuggingFaceTextDataset`` of
             data-parallel part ``part`` of ``parts`` (infinite).
-        shard: this rank's FSDP rank in its replica (s); slot k's part is ``k * S + s``.
-        ranks_per_replica: S.
+        fsdp_rank: this rank's FSDP rank d in its replica; slot k's part is ``k * D + d``
+            (its tensor-parallel peers read the same part: [Note: replica layout]).
+        fsdp_degree: D, the replica's FSDP degree (S ranks / tensor_parallel_degree).
         slots: W_init, the number of stream slots (a checkpoint's own value replaces it).
         local_batch_size: windows per microbatch on this rank.
     """
 
     gathers_state = True
 
-    def __init__(self, open_part: Callable[[int, int], Any], *, shard: int,
-                 ranks_per_replica: int, slots: int, local_batch_size: int):
+    def __init__(self, open_part: Callable[[int, int], Any], *, fsdp_rank: int,
+                 fsdp_degree: int, slots: int, local_batch_size: int):
         self._open_part = open_part
-        self.shard, self.ranks_per_replica = shard, ranks_per_replica
+        self.fsdp_rank, self.fsdp_degree = fsdp_rank, fsdp_degree
         self.slots, self.local_batch_size = slots, local_batch_size
         self.slot: int | None = None
         self.cursor = 0
@@ -182,8 +183,8 @@ class StreamSource(MicrobatchSource):
     def _open(self, slot: int, position: int) -> None:
         if not 0 <= slot < self.slots:
             raise ValueError(f"stream slot {slot} outside 0..{self.slots - 1}")
-        parts = self.slots * self.ranks_per_replica
-        self._reader = _SlotReader(self._open_part(slot * self.ranks_per_replica + self.shard,
+        parts = self.slots * self.fsdp_degree
+        self._reader = _SlotReader(self._open_part(slot * self.fsdp_degree + self.fsdp_rank,
                                                    parts), self.local_batch_size)
         if slot in self._saved:
             self._reader.restore(self._saved[slot])
@@ -217,8 +218,8 @@ class StreamSource(MicrobatchSource):
             raise RuntimeError(f"stream slot {self.slot}: committed positions {positions} "
                                f"are not contiguous from the cursor {self.cursor}")
         if self.sample_log is not None:
-            part, parts = self.slot * self.ranks_per_replica + self.shard, \
-                self.slots * self.ranks_per_replica
+            part, parts = self.slot * self.fsdp_degree + self.fsdp_rank, \
+                self.slots * self.fsdp_degree
             for position in positions:
                 self.sample_log.write(step, DataRef(self.slot, position),
                                       [part, parts, position * self.local_batch_size],
@@ -251,7 +252,7 @@ class StreamSource(MicrobatchSource):
     def _key(self) -> str:
         """Per FSDP rank, and per S: the states of S ranks split a slot S ways (a restart with
         another S finds no key: DCP names the missing one instead of reading wrong parts)."""
-        return f"shard{self.shard}of{self.ranks_per_replica}"
+        return f"shard{self.fsdp_rank}of{self.fsdp_degree}"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         blob = state_dict.get(self._key) if state_dict else None

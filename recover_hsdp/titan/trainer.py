@@ -94,11 +94,13 @@ class RecoverTrainer(Trainer):
             backend, store=self.replica_world.store, rank=layout.shard,
             world_size=layout.ranks_per_replica,
             timeout=timedelta(seconds=self.job_config.comm.init_timeout_seconds))
-        parallelism = self.job_config.parallelism
+        parallelism = self.job_config.parallelism  # [Note: replica layout] (config.py)
+        tp = parallelism.tensor_parallel_degree
+        fsdp = layout.ranks_per_replica // tp
         parallelism.data_parallel_replicate_degree = 1
-        parallelism.data_parallel_shard_degree = layout.ranks_per_replica
-        return ParallelDims(dp_shard=layout.ranks_per_replica, dp_replicate=1, cp=1, tp=1, pp=1,
-                            ep=1, etp=1, world_size=layout.ranks_per_replica)
+        parallelism.data_parallel_shard_degree = fsdp
+        return ParallelDims(dp_shard=fsdp, dp_replicate=1, cp=1, tp=tp, pp=1, ep=1, etp=1,
+                            world_size=layout.ranks_per_replica)
 
     # ---------------------------------------------------------------- one step
 
@@ -123,12 +125,13 @@ class RecoverTrainer(Trainer):
         input_dict, labels = self.dataloader.microbatch(data)  # [Note: microbatch sources]
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
             {k: v.to(self.device) for k, v in input_dict.items()}, labels.to(self.device))
-        with self.train_context(), self.maybe_enable_amp:
-            pred = self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
-            loss = self.loss_fn(pred, labels) / nominal_tokens
-        del pred
-        before_backward()
-        loss.backward()
+        with self.train_context():  # loss parallel (TP) covers the backward too, as in TorchTitan
+            with self.maybe_enable_amp:
+                pred = self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
+                loss = self.loss_fn(pred, labels) / nominal_tokens
+            del pred
+            before_backward()
+            loss.backward()
         return float(loss.detach()), int((labels != IGNORE_INDEX).sum()), labels.numel()
 
     def apply_update(self, grad_scale: float) -> float:
