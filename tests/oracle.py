@@ -16,7 +16,7 @@ def committed_refs(entry) -> list:
                   for replica, ids in entry.committed.items() for index in ids)
 
 
-def _stream_batches(cfg, refs, ranks_per_replica: int, slots: int) -> dict:
+def _stream_batches(cfg, refs, fsdp_degree: int, slots: int) -> dict:
     """(ref, shard) -> this shard's batch, read from the start of each part on one process."""
     from torchtitan.components.tokenizer import build_hf_tokenizer
 
@@ -28,9 +28,9 @@ def _stream_batches(cfg, refs, ranks_per_replica: int, slots: int) -> dict:
     batches = {}
     for slot in sorted({ref.stream for ref in refs}):
         wanted = {ref.index for ref in refs if ref.stream == slot}
-        for shard in range(ranks_per_replica):
+        for shard in range(fsdp_degree):
             source = StreamSource(open_stream_part(cfg, tokenizer), fsdp_rank=shard,
-                                  fsdp_degree=ranks_per_replica, slots=slots,
+                                  fsdp_degree=fsdp_degree, slots=slots,
                                   local_batch_size=cfg.training.local_batch_size)
             for position in range(max(wanted) + 1):
                 ref = DataRef(slot, position)
@@ -41,10 +41,10 @@ def _stream_batches(cfg, refs, ranks_per_replica: int, slots: int) -> dict:
     return batches
 
 
-def recompute_gradient(params: dict[str, torch.Tensor], refs: list, ranks_per_replica: int,
+def recompute_gradient(params: dict[str, torch.Tensor], refs: list, fsdp_degree: int,
                        overrides: list[str] = (), slots: int | None = None
                        ) -> dict[str, torch.Tensor]:
-    """Sum over the committed microbatches ``refs`` of each one's gradient (all S shard parts),
+    """Sum over the committed microbatches ``refs`` of each one's gradient (all D FSDP-rank parts; TP peers share one),
     with the loss normalised by the step's nominal token count, exactly as the trainer does."""
     from recover_hsdp.titan import cpu_runtime, model_spec
     from recover_hsdp.titan.data import load_sequences, microbatch_sequence_ids
@@ -63,20 +63,20 @@ def recompute_gradient(params: dict[str, torch.Tensor], refs: list, ranks_per_re
     model.load_state_dict(params)
     loss_fn = spec.build_loss_fn(cfg)
     lbs, seq = cfg.training.local_batch_size, cfg.training.seq_len
-    nominal = len(refs) * ranks_per_replica * lbs * seq
+    nominal = len(refs) * fsdp_degree * lbs * seq
     stream = refs[0].stream is not None
     if stream:
-        batches = _stream_batches(cfg, refs, ranks_per_replica, slots)
+        batches = _stream_batches(cfg, refs, fsdp_degree, slots)
     else:
         sequences = load_sequences(cfg, tokenizer=None)
     for ref in refs:
-        for shard in range(ranks_per_replica):
+        for shard in range(fsdp_degree):
             if stream:
                 inputs, labels = batches[(tuple(ref), shard)]
                 inputs = inputs["input"]
             else:
                 rows = [sequences[i] for i in microbatch_sequence_ids(
-                    ref.index, shard, ranks_per_replica, lbs)]
+                    ref.index, shard, fsdp_degree, lbs)]
                 inputs = torch.stack([r[0] for r in rows])
                 labels = torch.stack([r[1] for r in rows])
             (loss_fn(model(inputs), labels) / nominal).backward()
