@@ -2,6 +2,7 @@
 
     python benchmarks/overhead_bench.py [--layouts 2x1,2x2,4x1] [--g 1,4] [--pairs 3] [--steps 12]
     python benchmarks/overhead_bench.py --detector     # detector on vs off, same A/B scheme
+    python benchmarks/overhead_bench.py --tp 2 --layouts 2x2,2x4 --g 2   # FSDP x TP replicas
 
 Each pair runs the two modes back to back on the same machine with the same config, data and
 seed; the per-run figure is the median step time over steps 3..N (steps 1-2 warm up) and the
@@ -10,7 +11,9 @@ same way: the time between two consecutive step records (the whole loop iteratio
 side's own loss reporting). ``--g``: gradient-accumulation steps per replica (global batch =
 G x R x S x local batch): G = 1, and G = 4 as in the 1B config. Prints the per-layout median of
 the per-pair ratios (recover / stock) and writes benchmarks/results/overhead.json and
-overhead.png. ``--quick``: layouts 2x1,2x2, 2 pairs, 8 steps.
+overhead.png. ``--quick``: layouts 2x1,2x2, 2 pairs, 8 steps. ``--tp T``: S ranks per replica
+are FSDP S/T x TP T (stock: HSDP + TP with the same degrees); global batch G x R x S/T x local
+batch; results in overhead_tp.json / overhead_tp.png.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree in a replica")
     parser.add_argument("--detector", action="store_true",
                         help="A/B of ReCoVer with the heartbeat detector (default, "
                              "detect_timeout_s = 4) vs without it (detect_timeout_s = 0)")
@@ -62,9 +66,11 @@ def main() -> None:
     results = {}
     for layout, g in [(lay, int(g)) for g in args.g.split(",") for lay in args.layouts.split(",")]:
         replicas, ranks = map(int, layout.split("x"))
-        batch = ("--training.global_batch_size", str(g * replicas * ranks * LOCAL_BATCH))
+        batch = ("--training.global_batch_size", str(g * replicas * ranks // args.tp * LOCAL_BATCH))
+        if args.tp > 1:
+            batch += ("--parallelism.tensor_parallel_degree", str(args.tp))
         pairs = []
-        layout = f"{layout} G={g}"
+        layout = f"{layout} TP={args.tp} G={g}" if args.tp > 1 else f"{layout} G={g}"
         for _ in range(args.pairs):
             recover, recover_tps = run(replicas, ranks, False, args.steps, batch)
             stock, stock_tps = run(replicas, ranks, True, args.steps, batch)
@@ -89,8 +95,9 @@ def main() -> None:
               f"tokens/s {r['median_recover_tokens_per_s']:.0f} vs "
               f"{r['median_stock_tokens_per_s']:.0f} (ratio {r['median_tokens_per_s_ratio']:.3f})",
               flush=True)
-    out = _save("overhead.json", results, args)
-    _plot(results, out / "overhead.png")
+    name = "overhead_tp" if args.tp > 1 else "overhead"
+    out = _save(f"{name}.json", results, args)
+    _plot(results, out / f"{name}.png")
     print(markdown(results))
 
 

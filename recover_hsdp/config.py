@@ -40,7 +40,7 @@ class Faults:
     """Schedule: stop after this many replicas were lost."""
 
     phase: Literal["forward", "backward", "grad_sync", "consensus", "rereduce", "optimizer",
-                   "checkpoint", "finish"] = "grad_sync"
+                   "checkpoint", "finish", "join"] = "grad_sync"
     """Schedule: the phase the scheduled failures hit."""
 
     seed: int = 0
@@ -84,6 +84,12 @@ class Recover:
     hang_timeout_s: float = 300.0
     """A rank whose main thread shows no progress for this long kills itself, so that a hung
     rank becomes an ordinary death (MPI-call deadlines are derived from it)."""
+
+    respawn_after_steps: int = 0
+    """Replica rejoin ([Note: rejoin at a boundary] in manager/rejoin.py): this many steps after a
+    replica was lost the survivors spawn a replacement (through mpirun's PRRTE, on the job's
+    hosts) at a step boundary; it receives the live state from a replica and G goes back toward
+    G_init. 0: off (``recover-hsdp join --out DIR`` still brings one back on request)."""
 
     host_snapshots: bool = False
     """GPU runs: keep gradient-bucket snapshots in pinned host memory instead of device memory."""

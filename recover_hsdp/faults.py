@@ -40,6 +40,7 @@ class Phase(str, enum.Enum):
     OPTIMIZER = "optimizer"
     CHECKPOINT = "checkpoint"  # inside a DCP checkpoint save (the saving replica)
     FINISH = "finish"          # after the last step, while the writer writes the run's outputs
+    JOIN = "join"              # mid-transfer of a replica rejoin (the donor's or newcomer's ranks)
 
 
 class Mode(str, enum.Enum):

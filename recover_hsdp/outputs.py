@@ -110,7 +110,8 @@ class RunMetrics:
             "tokens_per_s": tokens / train_time if train_time else 0.0,
             "median_step_time_s": statistics.median(times) if times else None,
             "wall_s": wall,
-            "failures": len(self.events),
+            "failures": sum(1 for e in self.events if e.get("dead_replicas")),
+            "joins": sum(1 for e in self.events if e.get("phase") == "join" and e.get("ok")),
             **(extra or {}),
         }
 

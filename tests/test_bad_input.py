@@ -46,6 +46,34 @@ def test_batch_sizes_that_do_not_divide():
     assert "training.global_batch_size=8" in line and "multiple of 6" in line
 
 
+def test_pipeline_parallelism_refused_in_one_line():
+    """[Note: replica layout]: refused by the launcher, with the reason, nothing started."""
+    result = run_cli(["train", "--config", str(DEBUG_CONFIG), "--replicas", "2",
+                      "--ranks-per-replica", "2", "--", "--parallelism.pipeline_parallel_degree",
+                      "2"])
+    assert result.returncode == 2
+    assert "parallelism.pipeline_parallel_degree=2: pipeline parallelism inside a replica is " \
+        "not supported" in _error_line(result)
+
+
+def test_inner_degrees_that_cannot_work():
+    from types import SimpleNamespace
+
+    from recover_hsdp.config import ConfigError, data_ranks_per_replica
+    from recover_hsdp.titan.model_spec import check_model_parallelism
+
+    assert data_ranks_per_replica(4, 2) == 2
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=2 does not divide "
+                                          "recover.ranks_per_replica=3"):
+        data_ranks_per_replica(3, 2)
+    job = SimpleNamespace(model=SimpleNamespace(flavor="1B"),
+                          parallelism=SimpleNamespace(tensor_parallel_degree=2))
+    with pytest.raises(ConfigError, match="tied to the token embedding"):
+        check_model_parallelism(job)
+    job.model.flavor = "debugmodel"
+    check_model_parallelism(job)
+
+
 def test_world_size_not_matching_ranks_per_replica(tmp_path):
     """mpirun -np 3 with ranks_per_replica 2: every rank stops with the one-line error."""
     from recover_hsdp.cli.launch import resolve_mpirun

@@ -14,7 +14,8 @@ class ReplicaLayout:
     """Which original world ranks form which replica, and which replicas are still alive.
 
     Invariant: original world rank w belongs to replica ``w // ranks_per_replica`` and holds shard index
-    ``w % ranks_per_replica``; ``alive_replicas`` is sorted and only ever shrinks.
+    ``w % ranks_per_replica``; ``alive_replicas`` is sorted; it shrinks at a repair and grows only
+    when replacement ranks join ([Note: rejoin] in join.py).
     """
 
     ranks_per_replica: int

@@ -120,6 +120,7 @@ class FaultTolerantWorld:
             self._global = comm.Dup()
         self._global.Set_errhandler(MPI.ERRORS_RETURN)
         self._base_group = self._global.Get_group()
+        self._logical: list[int] | None = None  # base-group rank -> original world rank (rejoin)
         self._shard = self._split(self._global, self.shard, self.replica)
         self.layout = ReplicaLayout(ranks_per_replica, size // ranks_per_replica,
                                     tuple(range(size // ranks_per_replica)))
@@ -216,8 +217,9 @@ class FaultTolerantWorld:
                 group.Free()
         except MPI.Exception:
             return
+        failed = self._original_ranks(r for r in failed if r != MPI.UNDEFINED)
         if failed:
-            self.on_failed(sorted(r for r in failed if r != MPI.UNDEFINED))
+            self.on_failed(sorted(failed))
 
     def _allgather(self, comm: MPI.Comm, obj: Any, which: str) -> list[Any] | None:
         out: list[Any] = []
@@ -456,7 +458,67 @@ class FaultTolerantWorld:
             ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._base_group)
         finally:
             group.Free()
-        return sorted(ranks)
+        return sorted(self._original_ranks(ranks))
+
+    def _original_ranks(self, base_ranks) -> list[int]:
+        """Ranks of the base group as original world ranks (they differ after a rejoin)."""
+        if self._logical is None:
+            return list(base_ranks)
+        return [self._logical[r] for r in base_ranks]
+
+    # -- rejoin ([Note: rejoin] in recover_hsdp/collectives/join.py) ------------------------------
+    @classmethod
+    def newcomer(cls, ranks_per_replica: int, deadlines: Deadlines | None = None, *,
+                 arbiter_dir: str | os.PathLike | None = None) -> "FaultTolerantWorld":
+        """The world of a rank spawned to replace a lost replica: no communicators until
+        :meth:`grow`; its original world rank comes with the join offer (:meth:`assume_rank`)."""
+        self = cls.__new__(cls)
+        self.deadlines = deadlines if deadlines is not None else Deadlines()
+        self.arbiter_dir = None if arbiter_dir is None else os.fspath(arbiter_dir)
+        self.claim_delay_s = 10.0
+        self.on_phase, self.on_failed = None, None
+        self.world_rank, self.replica, self.shard = -1, -1, -1
+        self._guard = MpiGuard(self.deadlines, name="newcomer")
+        self._global = self._shard = self._base_group = None
+        self._logical = None
+        self.layout = ReplicaLayout(ranks_per_replica, 0, ())
+        self.epoch, self.retired, self._failed_at = 0, False, None
+        self._graveyard = []
+        return self
+
+    def assume_rank(self, world_rank: int) -> None:
+        """A newcomer takes the original world rank (replica, shard) the join offer gave it."""
+        self.world_rank = world_rank
+        self.replica, self.shard = divmod(world_rank, self.layout.ranks_per_replica)
+
+    def grow(self, merged: MPI.Comm, ranks: list[int], alive_replicas: tuple[int, ...],
+             num_replicas: int, epoch: int) -> bool:
+        """Stage 4 of [Note: rejoin], on survivors and newcomers alike: ``merged`` (rank i is
+        original world rank ``ranks[i]``) becomes the global communicator, the shard
+        communicators are rebuilt on it, the epoch becomes ``epoch`` + 1, and the layout's
+        alive replicas ``alive_replicas``. One agreement: on failure nothing changes and False
+        is returned (the survivors' old communicators are intact)."""
+        self._check_usable()
+        shard = None
+        built = True
+        try:
+            shard = self._split(merged, self.shard, self.replica)
+        except MPI.Exception as e:
+            log_line(f"rank {self.world_rank}: join: shard split failed with {_errname(e)}")
+            built = False
+        if not self._agree(merged, built):
+            self._revoke(merged, shard)
+            self._graveyard += [c for c in (merged, shard) if c is not None]
+            return False
+        self._graveyard += [c for c in (self._global, self._shard) if c is not None]
+        self._global, self._shard = merged, shard
+        self._base_group, self._logical = merged.Get_group(), list(ranks)
+        self.layout = ReplicaLayout(self.layout.ranks_per_replica, num_replicas,
+                                    tuple(sorted(alive_replicas)))
+        self.epoch, self._failed_at = epoch + 1, None
+        log_line(f"rank {self.world_rank}: epoch {self.epoch}: joined, alive "
+                 f"{list(self.layout.alive_replicas)}")
+        return True
 
     def _revoke(self, *comms: MPI.Comm | None) -> None:
         for c in comms:

@@ -71,21 +71,43 @@ def _store_host() -> str:
         return "127.0.0.1"
 
 
+NEWCOMER_ENV = "RECOVER_HSDP_NEWCOMER"
+"""Set on ranks spawned to replace lost replicas: ``"r1,r2,...:W_init"`` (the replica ids they
+take, the job's initial replica count); [Note: rejoin] in recover_hsdp/collectives/join.py."""
+
+
+def newcomer_placement(ranks_per_replica: int, comm=None) -> ProcessPlacement | None:
+    """This rank's placement when it was spawned to replace a lost replica, else None. The
+    spawned ranks' own MPI world holds S ranks per replica they replace, in order."""
+    value = os.environ.get(NEWCOMER_ENV)
+    if not value:
+        return None
+    replicas, initial = value.split(":")
+    ids = [int(r) for r in replicas.split(",")]
+    rank = (comm or MPI.COMM_WORLD).Get_rank()
+    replica, shard = divmod(rank, ranks_per_replica)
+    return ProcessPlacement(ids[replica] * ranks_per_replica + shard,
+                            int(initial) * ranks_per_replica, ranks_per_replica)
+
+
 def bootstrap_replica(ranks_per_replica: int, timeout_s: float = 300.0,
-                      comm=None) -> ReplicaWorld:
+                      comm=None, placement: ProcessPlacement | None = None) -> ReplicaWorld:
     """Create this replica's TCPStore over MPI and set the env TorchTitan reads.
 
     Every rank of ``comm`` (default COMM_WORLD) must call it. Returns the store to pass to
-    ``init_process_group``; the replica's shard-0 rank hosts it.
+    ``init_process_group``; the replica's shard-0 rank hosts it. ``placement``: a newcomer's
+    (:func:`newcomer_placement`), whose place in the job is not its rank in ``comm``.
     """
     global _PLACEMENT
     comm = comm or MPI.COMM_WORLD
     if ranks_per_replica < 1 or comm.Get_size() % ranks_per_replica:
         raise ValueError(f"ranks_per_replica={ranks_per_replica} does not divide the MPI world "
                          f"size {comm.Get_size()} (validate the config first)")
-    layout = ProcessPlacement(comm.Get_rank(), comm.Get_size(), ranks_per_replica)
+    layout = placement or ProcessPlacement(comm.Get_rank(), comm.Get_size(), ranks_per_replica)
     procs = comm.allgather(ProcessInfo.current())
     replica_comm = comm.Split(color=layout.replica, key=layout.shard)
+    if placement is not None:
+        procs = []  # a newcomer learns the job's processes when it joins
     try:
         if layout.shard == 0:
             host = _store_host()

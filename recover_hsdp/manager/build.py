@@ -12,7 +12,7 @@ from recover_hsdp.workload import WorkloadPolicy
 
 
 def build_manager(job_config, placement, model, outputs: RunMetrics,
-                  procs: Sequence[ProcessInfo] = ()) -> RecoverManager:
+                  procs: Sequence[ProcessInfo] = (), newcomer: bool = False) -> RecoverManager:
     """The manager of one rank of a job: the ULFM world over ``MPI.COMM_WORLD``, the policy from
     the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
     rank's faults. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap)."""
@@ -26,10 +26,15 @@ def build_manager(job_config, placement, model, outputs: RunMetrics,
     out_dir = job_config.job.dump_folder
     run = procs[0] if procs else None  # rank 0's process names the run: claims never mix runs
     arbiter = (Path(out_dir) / "membership" / f"{run.host}-{run.pid}-{run.start}") if run else None
-    world = FaultTolerantWorld(
-        MPI.COMM_WORLD, placement.ranks_per_replica,
-        Deadlines(call_s=2 * hang + 30, repair_s=3 * hang + 30, hang_timeout_s=hang,
-                  retire_grace_s=min(2.0, hang / 4)), arbiter_dir=arbiter)
+    deadlines = Deadlines(call_s=2 * hang + 30, repair_s=3 * hang + 30, hang_timeout_s=hang,
+                          retire_grace_s=min(2.0, hang / 4))
+    if newcomer:  # spawned to replace a lost replica: [Note: rejoin] (collectives/join.py)
+        world = FaultTolerantWorld.newcomer(placement.ranks_per_replica, deadlines,
+                                            arbiter_dir=arbiter)
+        world.assume_rank(placement.world_rank)
+    else:
+        world = FaultTolerantWorld(MPI.COMM_WORLD, placement.ranks_per_replica, deadlines,
+                                   arbiter_dir=arbiter)
     tp = job_config.parallelism.tensor_parallel_degree  # [Note: replica layout] (config.py)
     fsdp_degree = data_ranks_per_replica(placement.ranks_per_replica, tp)
     g = microbatches_per_replica(training.local_batch_size, training.global_batch_size,
@@ -37,7 +42,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics,
     policy = WorkloadPolicy(initial_replicas=placement.replicas, microbatches_per_replica=g,
                             keep_spares=rc.keep_spares, data_assignment=rc.data_assignment,
                             g_raise=rc.g_raise)
-    return RecoverManager(
+    manager = RecoverManager(
         world=world, bucket_sync=BucketSync.for_model(model, world, rc.host_snapshots),
         policy=policy,
         faults=build_injector(rc.faults, placement.replicas, placement.replica, placement.shard,
@@ -47,3 +52,5 @@ def build_manager(job_config, placement, model, outputs: RunMetrics,
         counts_data=placement.shard % tp == 0,
         consistency_check_interval=rc.consistency_check_interval,
         parameter_checksum=lambda: local_parameter_checksum(model), procs=procs)
+    manager.respawn_after_steps = rc.respawn_after_steps
+    return manager

@@ -35,9 +35,12 @@ class RecoverMetricsProcessor(MetricsProcessor):
         super().__init__(job_config, parallel_dims, tag)
         self.recover = job_config.recover.enable
         if self.recover:
-            from recover_hsdp.manager.bootstrap import current_placement
+            import os
 
-            writer = current_placement().world_rank == 0  # the manager re-elects after failures
+            from recover_hsdp.manager.bootstrap import NEWCOMER_ENV, current_placement
+
+            # the manager re-elects after failures; a replacement rank never starts as writer
+            writer = current_placement().world_rank == 0 and NEWCOMER_ENV not in os.environ
         else:
             writer = not dist.is_initialized() or dist.get_rank() == 0
         self.outputs = RunMetrics(job_config.job.dump_folder, is_writer=writer,

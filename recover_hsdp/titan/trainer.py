@@ -16,6 +16,8 @@ adapts TorchTitan to the manager:
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from datetime import timedelta
 
@@ -31,7 +33,7 @@ from recover_hsdp.config import validate
 from recover_hsdp.errors import one_line
 from recover_hsdp.faults import Phase
 from recover_hsdp.manager import build_manager
-from recover_hsdp.manager.bootstrap import bootstrap_replica
+from recover_hsdp.manager.bootstrap import NEWCOMER_ENV, bootstrap_replica, newcomer_placement
 from recover_hsdp.titan.metrics import full_tensors
 from recover_hsdp.titan.sources import SampleLog
 from recover_hsdp.workload import DataRef
@@ -74,14 +76,20 @@ class RecoverTrainer(Trainer):
     def __init__(self, job_config):
         from recover_hsdp.collectives import MPI
 
-        validate(job_config, world_size=MPI.COMM_WORLD.Get_size())
-        self.replica_world = bootstrap_replica(job_config.recover.ranks_per_replica,
-                                               job_config.comm.init_timeout_seconds)
+        ranks_per_replica = job_config.recover.ranks_per_replica
+        newcomer = newcomer_placement(ranks_per_replica)  # [Note: rejoin at a boundary]
+        self._joining = newcomer is not None
+        validate(job_config, world_size=newcomer.world_size if newcomer
+                 else MPI.COMM_WORLD.Get_size())
+        self.replica_world = bootstrap_replica(ranks_per_replica,
+                                               job_config.comm.init_timeout_seconds,
+                                               placement=newcomer)
         super().__init__(job_config)
         self.manager = build_manager(job_config, self.replica_world.layout, self.model_parts[0],
-                                     self.metrics_processor.outputs, self.replica_world.procs)
-        if self.replica_world.layout.world_rank == 0:  # for the launcher's final clean-up
-            write_registry(job_config.job.dump_folder, self.replica_world.procs)
+                                     self.metrics_processor.outputs, self.replica_world.procs,
+                                     newcomer=self._joining)
+        if self.replica_world.layout.world_rank == 0 and not self._joining:
+            write_registry(job_config.job.dump_folder, self.replica_world.procs)  # launcher's
         self.checkpointer = ReplicaCheckpointer(self.checkpointer, self.manager)
         if job_config.recover.log_samples:
             self.dataloader.sample_log = SampleLog(job_config.job.dump_folder,
@@ -105,6 +113,11 @@ class RecoverTrainer(Trainer):
     # ---------------------------------------------------------------- one step
 
     def train_step(self, data_iterator) -> None:
+        if self._joining:  # a replacement rank: take the live state, then the survivors' step
+            self.step = self.manager.join_as_newcomer(self)
+            self._joining = False
+        else:
+            self.manager.maybe_admit(self.step, self)
         started = time.perf_counter()
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
@@ -148,6 +161,54 @@ class RecoverTrainer(Trainer):
         self.lr_schedulers.step()
         return float(grad_norm)
 
+    # JoinWork (recover_hsdp.manager.rejoin.JoinWork) ---------------------------------------
+
+    def join_meta(self) -> dict:
+        return {"ntokens_seen": self.ntokens_seen,
+                "lr_schedulers": self.lr_schedulers.state_dict(),
+                "param_groups": [[{k: v for k, v in group.items() if k != "params"}
+                                  for group in optimizer.param_groups]
+                                 for optimizer in self.optimizers.optimizers]}
+
+    def load_join_meta(self, meta: dict) -> None:
+        self.ntokens_seen = meta["ntokens_seen"]
+        self.lr_schedulers.load_state_dict(meta["lr_schedulers"])
+        for optimizer, groups in zip(self.optimizers.optimizers, meta["param_groups"]):
+            for group, saved in zip(optimizer.param_groups, groups):
+                group.update(saved)
+
+    def join_tensors(self) -> list:
+        """This rank's parameters (local FSDP x TP shards), then every optimizer state tensor,
+        in parameter order: the same list on every replica of a layout. CPU tensors are shared
+        with numpy (a GPU run would stage them through host buffers: not built here)."""
+        params = [p for m in self.model_parts for p in m.parameters()]
+        if any(not opt.state for opt in self.optimizers.optimizers):
+            self._materialize_optimizer_state(params)
+        tensors = [_local(p) for p in params]
+        for optimizer in self.optimizers.optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    state = optimizer.state.get(param, {})
+                    tensors += [_local(state[k]) for k in sorted(state)
+                                if isinstance(state[k], torch.Tensor)]
+        return [t.detach().numpy() for t in tensors]
+
+    def _materialize_optimizer_state(self, params) -> None:
+        """A newcomer's optimizer has no state before its first step: one step on zero
+        gradients creates it (its values are then overwritten by the donor's)."""
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        self.optimizers.step()
+        self.optimizers.zero_grad()
+
+    def spawn_command(self, replicas: list[int]) -> tuple[str, list[str]]:
+        env = {NEWCOMER_ENV: f"{','.join(map(str, replicas))}:"
+                             f"{self.replica_world.layout.replicas}",
+               **{k: os.environ[k] for k in ("OMP_NUM_THREADS", "HF_DATASETS_OFFLINE",
+                                             "HF_HUB_OFFLINE", "PYTHONPATH") if k in os.environ}}
+        return "/usr/bin/env", [*(f"{k}={v}" for k, v in env.items()), sys.executable, "-m",
+                                "recover_hsdp.train", *sys.argv[1:]]
+
     # ---------------------------------------------------------------- state, outputs
 
     def state_dict(self):
@@ -190,3 +251,7 @@ class RecoverTrainer(Trainer):
             self.metrics_processor.write_run_outputs(final)
             manager.close()
         super().close()  # checkpointer, TorchTitan's loggers
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

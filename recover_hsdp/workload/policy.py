@@ -354,6 +354,23 @@ class WorkloadPolicy:
                 self.cursors[a.slot] = a.stream_start + a.quota
                 self.slots[a.replica] = a.slot
 
+    def admit(self, replicas: Iterable[int]) -> None:
+        """Replacement replicas joined between two steps ([Note: rejoin at a boundary] in
+        recover_hsdp/manager/rejoin.py): they are alive from the next plan on, so G goes back
+        toward G_init with B unchanged. In stream mode each takes a slot no alive replica reads
+        (its own first), resumed at that slot's cursor."""
+        new = _sorted_ids(replicas)
+        if set(new) & set(self.alive) or any(r < 0 or r >= self.initial_replicas for r in new):
+            raise ValueError(f"replicas {list(new)} cannot join: alive {list(self.alive)}, "
+                             f"W_init {self.initial_replicas}")
+        free = list(self.orphaned_slots())
+        self.alive = _sorted_ids((*self.alive, *new))
+        if self.data_assignment is DataAssignment.STREAM:
+            for r in new:
+                slot = r if r in free else free[0]
+                free.remove(slot)
+                self.slots[r] = slot
+
     def slot_of(self, replica: int) -> int:
         """The stream slot ``replica`` reads ([Note: stream slots])."""
         return self.slots.get(replica, replica)

@@ -1,0 +1,184 @@
+"""Replica rejoin at the MPI level: survivors spawn replacement ranks and merge them in.
+
+[Note: rejoin] A lost replica comes back as new processes, at a step boundary, in four stages;
+the first three use a side channel (the merged inter-communicator) and leave the world's
+communicators untouched, so a failure there aborts the join and nothing else:
+
+  1. spawn + merge: the survivors' global communicator ``MPI_Comm_spawn``s S x k processes
+     (k replicas, each on the replica ids of dead ones) through PRRTE and both sides
+     ``Merge`` the inter-communicator (survivors first, newcomers after);
+  2. offer: the survivors' first rank broadcasts the join offer (epoch, alive replicas, the
+     replica ids the newcomers take, an opaque payload: the step, the policy, ...); every member
+     gathers every member's (original world rank, process) into the rank table;
+  3. state: the caller moves the replica state from a donor to the newcomers over the merged
+     communicator (:meth:`JoinChannel.send` / :meth:`JoinChannel.recv`, chunked, guarded) and
+     checks it; then a fault-tolerant agreement on the merged communicator: all ok or the
+     join is aborted (survivors go on with their old world; the newcomers exit);
+  4. grow: ``FaultTolerantWorld.grow`` makes the merged communicator the global one, builds the
+     shard communicators and bumps the epoch, under one more agreement.
+
+A death of the donor, of a survivor or of a newcomer during 1-3 makes the agreement fail
+uniformly (ULFM's agreement tolerates failed participants). A survivor's death also surfaces,
+as usual, in the next step's collectives on the old world. Why spawn and not
+``MPI_Comm_connect/accept`` between separately started jobs: on this stack (Open MPI 5.0.x,
+PRRTE 3.0.x) a ``Connect`` from a second ``mpirun`` to a port opened by the job hung (30 s,
+measured) and ``prterun --dvm`` segfaulted: two ``mpirun`` s do not share a PMIx server, so
+``recover-hsdp join`` asks the job to spawn onto a host instead (same protocol).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from recover_hsdp.collectives.guard import log_line
+from recover_hsdp.collectives.world import CHUNK_BYTES, MPI, FaultTolerantWorld
+
+
+@dataclass
+class JoinOffer:
+    """What the survivors tell the newcomers (stage 2)."""
+
+    epoch: int
+    alive_replicas: tuple[int, ...]
+    new_replicas: tuple[int, ...]
+    ranks_per_replica: int
+    num_replicas: int
+    donor: int  # the replica whose ranks send the state
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+class JoinChannel:
+    """The merged communicator of one join (stages 2-3), guarded by the world's deadlines."""
+
+    def __init__(self, world: FaultTolerantWorld, merged: MPI.Comm):
+        self.world, self.merged = world, merged
+        self.ranks: list[int] = []        # merged rank -> original world rank
+        self.processes: list[Any] = []    # merged rank -> the member's process info
+        self.ok = True
+
+    # -- stage 2 ----------------------------------------------------------------------------------
+    def exchange(self, offer: JoinOffer | None, world_rank: int | None, process: Any
+                 ) -> JoinOffer | None:
+        """Broadcast ``offer`` from the survivors' first rank; gather the rank table. A newcomer
+        passes ``world_rank=None`` and learns it from the offer (by its merged rank)."""
+        box: list[Any] = []
+        if not self._call("bcast(offer)", lambda: box.append(self.merged.bcast(offer, root=0))):
+            return None
+        offer = box[0]
+        if world_rank is None:
+            first_newcomer = len(offer.alive_replicas) * offer.ranks_per_replica
+            index = self.merged.Get_rank() - first_newcomer
+            s = offer.ranks_per_replica
+            world_rank = offer.new_replicas[index // s] * s + index % s
+        table: list[Any] = []
+        if not self._call("allgather(ranks)", lambda: table.extend(
+                self.merged.allgather((world_rank, process)))):
+            return None
+        self.ranks = [r for r, _ in table]
+        self.processes = [p for _, p in table]
+        return offer
+
+    # -- stage 3 ----------------------------------------------------------------------------------
+    def merged_rank_of(self, world_rank: int) -> int:
+        return self.ranks.index(world_rank)
+
+    def send(self, obj: Any, to_world_rank: int) -> bool:
+        """Send a picklable object (header) and then its bytes in chunks."""
+        data = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+        return self.send_bytes(data, to_world_rank)
+
+    def recv(self, from_world_rank: int) -> Any:
+        data = self.recv_bytes(from_world_rank)
+        return None if data is None else pickle.loads(data.tobytes())
+
+    def send_bytes(self, data: np.ndarray, to_world_rank: int) -> bool:
+        dest = self.merged_rank_of(to_world_rank)
+        size = np.array([data.size], dtype=np.int64)
+        if not self._call("Send(size)", lambda: self.merged.Send(size, dest=dest, tag=71)):
+            return False
+        for lo in range(0, data.size, CHUNK_BYTES):
+            chunk = data[lo:lo + CHUNK_BYTES]
+            if not self._call("Send(state)", lambda c=chunk: self.merged.Send(
+                    [c, MPI.BYTE], dest=dest, tag=72)):
+                return False
+        return True
+
+    def recv_bytes(self, from_world_rank: int, out: np.ndarray | None = None) -> np.ndarray | None:
+        source = self.merged_rank_of(from_world_rank)
+        size = np.zeros(1, dtype=np.int64)
+        if not self._call("Recv(size)", lambda: self.merged.Recv(size, source=source, tag=71)):
+            return None
+        if out is None or out.size != int(size[0]):
+            out = np.empty(int(size[0]), dtype=np.uint8)
+        for lo in range(0, out.size, CHUNK_BYTES):
+            view = out[lo:lo + CHUNK_BYTES]
+            if not self._call("Recv(state)", lambda v=view: self.merged.Recv(
+                    [v, MPI.BYTE], source=source, tag=72)):
+                return None
+        return out
+
+    def agree(self, ok: bool) -> bool:
+        """Stage 3's fault-tolerant agreement (uniform over the live members)."""
+        return self.world._agree(self.merged, ok and self.ok)
+
+    def abort(self) -> None:
+        self.world._revoke(self.merged)
+        self.world._graveyard.append(self.merged)
+
+    def _call(self, name: str, fn) -> bool:
+        if not self.ok:
+            return False
+        try:
+            with self.world._guard.call(name, self.world.deadlines.call_s):
+                fn()
+            return True
+        except MPI.Exception as err:
+            log_line(f"rank {self.world.world_rank}: join: {name} failed ({err.Get_error_class()})")
+            self.ok = False
+            self.world._revoke(self.merged)
+            return False
+
+
+def spawn(world: FaultTolerantWorld, command: str, args: list[str], count: int,
+          host: str | None = None) -> JoinChannel | None:
+    """Survivors (collective over the world's global communicator): stage 1. Returns the
+    channel, or None when the spawn or the merge failed (then the world's epoch is failed when
+    the world itself saw the failure; the caller goes on to its consensus)."""
+    info = MPI.Info.Create()
+    if host:
+        info.Set("host", host)
+    started = time.monotonic()
+    try:
+        with world._guard.call("Spawn", world.deadlines.repair_s):
+            inter = world.global_comm.Spawn(command, args, maxprocs=count, info=info, root=0)
+        inter.Set_errhandler(MPI.ERRORS_RETURN)
+        with world._guard.call("Merge", world.deadlines.repair_s):
+            merged = inter.Merge(high=False)
+    except MPI.Exception as err:
+        log_line(f"rank {world.world_rank}: join: spawn/merge failed ({err.Get_error_class()})")
+        world.fail_epoch("spawn failed")
+        return None
+    finally:
+        info.Free()
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    world._graveyard.append(inter)
+    log_line(f"rank {world.world_rank}: join: spawned {count} ranks in "
+             f"{time.monotonic() - started:.2f}s")
+    return JoinChannel(world, merged)
+
+
+def parent_channel(world: FaultTolerantWorld) -> JoinChannel:
+    """Newcomers: stage 1 from the other side (the job that spawned this process)."""
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        raise RuntimeError("this process was not spawned by a recover-hsdp job")
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    with world._guard.call("Merge", world.deadlines.repair_s):
+        merged = parent.Merge(high=True)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    return JoinChannel(world, merged)

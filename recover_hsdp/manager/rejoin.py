@@ -1,0 +1,244 @@
+"""Replica rejoin at a step boundary (RecoverManager's): replacements come back, G goes down.
+
+[Note: rejoin at a boundary] Before a step, every survivor decides the same thing from agreed
+facts only: the replicas missing (W_init minus the alive ones), how many steps ago one was last
+lost (``[recover] respawn_after_steps``), and the operator's join requests counted by the writer
+and summed in the previous step's totals reduce (``recover-hsdp join``). When a join is due:
+
+  1. the survivors spawn S ranks per missing replica (the replica ids of dead ones) and merge
+     them in ([Note: rejoin] in recover_hsdp/collectives/join.py: spawn, offer, state, grow);
+  2. the donor (the writer's replica, rank s for shard s) sends each newcomer rank s its
+     state: parameters and optimizer state (this rank's local shards, in a fixed order), LR
+     schedulers, step, token count, the policy, the run's metrics / ledger history; the
+     newcomer checks a checksum of its parameters against the donor's before it computes;
+  3. one agreement: all ok, or the join is aborted (newcomers exit, survivors go on with their
+     old world; a survivor that died is found by the next step as any death);
+  4. the world grows (new epoch, alive replicas + newcomers); the policy admits them, so G
+     goes back toward G_init with B unchanged (``WorkloadPolicy.admit``).
+A death of the donor, a survivor or a newcomer during the join aborts it, never the job; the
+next attempt is ``respawn_after_steps`` later (or at the next request).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from recover_hsdp.collectives.processes import ProcessInfo
+from recover_hsdp.faults import Phase
+
+JOIN_DIR = "join"
+
+
+class JoinWork(Protocol):
+    """What the trainer provides for a join (one rank)."""
+
+    def join_meta(self) -> dict[str, Any]:
+        """Picklable replica state besides tensors (step, schedulers, tokens seen, ...)."""
+
+    def load_join_meta(self, meta: dict[str, Any]) -> None: ...
+
+    def join_tensors(self) -> list[np.ndarray]:
+        """This rank's state tensors (parameters, then optimizer state) as writable numpy
+        views, in an order that is the same on every replica."""
+
+    def spawn_command(self, replicas: list[int]) -> tuple[str, list[str]]:
+        """The program and arguments that start one replacement rank of ``replicas``."""
+
+
+def join_requests(out_dir: Path) -> list[Path]:
+    """Pending operator requests (``recover-hsdp join``), oldest first."""
+    folder = out_dir / JOIN_DIR / "requests"
+    return sorted(folder.glob("*.json")) if folder.is_dir() else []
+
+
+class Rejoin:
+    """Mixin of :class:`recover_hsdp.manager.RecoverManager`."""
+
+    respawn_after_steps: int = 0
+    _lost_since: int | None = None
+    _alive_before: int | None = None
+    join_requests_seen: int = 0  # agreed in the last committed step's totals
+
+    # ---------------------------------------------------------------- survivors
+
+    def maybe_admit(self, step: int, work: JoinWork) -> None:
+        """Survivors, before ``step``: run [Note: rejoin at a boundary] when a join is due."""
+        alive = self.world.alive_replicas
+        if self._alive_before is not None and len(alive) < self._alive_before:
+            self._lost_since = step
+        self._alive_before = len(alive)
+        missing = [r for r in range(self.policy.initial_replicas) if r not in alive]
+        if not missing:
+            return
+        due_respawn = (self.respawn_after_steps > 0 and self._lost_since is not None
+                       and step - self._lost_since >= self.respawn_after_steps)
+        if not due_respawn and not self.join_requests_seen:
+            return
+        if not due_respawn:
+            missing = missing[:self.join_requests_seen]
+        self._lost_since = step  # the next attempt, if this one fails, N steps later
+        self._admit(step, work, missing)
+
+    def _admit(self, step: int, work: JoinWork, replicas: list[int]) -> None:
+        from recover_hsdp.collectives.join import JoinOffer, spawn
+
+        world = self.world
+        started = time.perf_counter()
+        requests = join_requests(self.out_dir) if self.is_writer else []
+        host = None
+        if requests:
+            host = json.loads(requests[0].read_text()).get("host") or None
+        command, args = work.spawn_command(replicas)
+        count = len(replicas) * world.layout.ranks_per_replica
+        channel = spawn(world, command, args, count, host=host)
+        record: dict[str, Any] = {"step": step, "phase": "join", "joined_replicas": [],
+                                  "requested_replicas": replicas, "epoch_before": world.epoch}
+        ok = channel is not None
+        if ok:
+            donor = min(world.alive_replicas)
+            offer = JoinOffer(world.epoch, world.alive_replicas, tuple(replicas),
+                              world.layout.ranks_per_replica, world.layout.num_replicas, donor,
+                              payload={"step": step, "arbiter": world.arbiter_dir})
+            ok = channel.exchange(offer, world.world_rank, ProcessInfo.current()) is not None
+            spawned_s = time.perf_counter() - started
+            moved, transfer_s = 0, 0.0
+            if ok and self.replica == donor:
+                moved, transfer_s, ok = self._send_state(channel, work, replicas, step)
+            ok = channel.agree(ok)
+            if ok:
+                ok = world.grow(channel.merged, channel.ranks,
+                                tuple(world.alive_replicas) + tuple(replicas),
+                                world.layout.num_replicas, world.epoch)
+            if not ok:
+                channel.abort()
+            record.update(spawn_s=spawned_s, bytes_per_donor_rank=moved,
+                          transfer_s=transfer_s)
+        if ok:
+            self._joined(channel, replicas)
+            record["joined_replicas"] = replicas
+        record.update(ok=ok, epoch=world.epoch, alive_replicas=list(world.alive_replicas),
+                      join_s=time.perf_counter() - started, stall_s=time.perf_counter() - started)
+        self._finish_request(requests[:len(replicas)], ok)
+        self._log_join(record)
+
+    def _send_state(self, channel, work: JoinWork, replicas, step: int):
+        started = time.perf_counter()
+        meta = self._join_meta(work, step)
+        buffers = work.join_tensors()
+        flat = np.concatenate([b.reshape(-1).view(np.uint8) for b in buffers]) if buffers \
+            else np.zeros(0, np.uint8)
+        ok = True
+        s = self.world.layout.ranks_per_replica
+        for r in replicas:
+            peer = r * s + self.shard
+            ok = ok and channel.send(meta, peer)
+            self.faults.at(step, Phase.JOIN)  # the donor dies mid-transfer (tests)
+            ok = ok and channel.send_bytes(flat, peer)
+        return int(flat.size), time.perf_counter() - started, ok
+
+    def _join_meta(self, work: JoinWork, step: int) -> dict[str, Any]:
+        return {"work": work.join_meta(), "policy": self.policy.state_dict(),
+                "ledger": self._ledger_records, "steps": self.outputs.steps,
+                "events": self.outputs.events, "procs": self.procs, "checksum": self._checksum()}
+
+    def _checksum(self) -> float | None:
+        return None if self.parameter_checksum is None else self.parameter_checksum()
+
+    def _joined(self, channel, replicas) -> None:
+        """After the world grew: the processes table and the policy take the newcomers."""
+        for world_rank, process in zip(channel.ranks, channel.processes):
+            while len(self.procs) <= world_rank:
+                self.procs.append(process)
+            self.procs[world_rank] = process
+        self.policy.admit(replicas)
+        self._alive_before = len(self.world.alive_replicas)
+        if not self.is_writer and self.ledger is not None:  # a newcomer took the lowest id
+            self.ledger.close()
+            self.ledger = None
+        self.outputs.set_writer(self.is_writer)
+        self._take_over_writer_duties()
+        if self.is_writer:
+            from recover_hsdp.collectives.processes import write_registry
+
+            write_registry(self.out_dir, self.procs)
+            for world_rank in channel.ranks:  # an earlier life's error record is not theirs
+                (self.out_dir / "errors" / f"rank{world_rank}.json").unlink(missing_ok=True)
+
+    def _finish_request(self, requests: list[Path], ok: bool) -> None:
+        for path in requests:
+            done = path.parent.parent / ("done" if ok else "failed")
+            done.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(path, done / path.name)
+            except OSError:
+                pass
+
+    def _log_join(self, record: dict[str, Any]) -> None:
+        self.outputs.log_event(record)
+        print(f"[recover-hsdp] rank {self.world.world_rank}: join at step {record['step']}: "
+              f"{'replicas ' + str(record['joined_replicas']) + ' joined' if record['ok'] else 'aborted'}"
+              f" in {record['join_s']:.2f}s, alive {record['alive_replicas']}", flush=True)
+
+    # ---------------------------------------------------------------- newcomers
+
+    def join_as_newcomer(self, work: JoinWork) -> int:
+        """A spawned rank: stages 1-4 from the other side. Returns the step the survivors are
+        about to run; exits the process when the join is aborted."""
+        from recover_hsdp.collectives.join import parent_channel
+
+        world = self.world
+        started = time.perf_counter()
+        channel = parent_channel(world)
+        me = world.world_rank
+        offer = channel.exchange(None, None, ProcessInfo.current())
+        ok = offer is not None
+        if ok:
+            assert channel.ranks[channel.merged.Get_rank()] == me, "join offer: wrong replica id"
+            world.layout = type(world.layout)(offer.ranks_per_replica, offer.num_replicas,
+                                              offer.alive_replicas)
+            world.arbiter_dir = offer.payload.get("arbiter")
+            donor_rank = offer.donor * offer.ranks_per_replica + self.shard
+            meta = channel.recv(donor_rank)
+            self.faults.at(offer.payload["step"], Phase.JOIN)  # the newcomer dies mid-transfer
+            ok = meta is not None
+            if ok:
+                buffers = work.join_tensors()
+                flat = channel.recv_bytes(donor_rank)
+                ok = flat is not None and flat.size == sum(b.nbytes for b in buffers)
+            if ok:
+                lo = 0
+                for buffer in buffers:
+                    view = buffer.reshape(-1).view(np.uint8)
+                    view[:] = flat[lo:lo + view.size]
+                    lo += view.size
+                work.load_join_meta(meta["work"])
+                ok = self._checksum() == meta["checksum"]
+                if not ok:
+                    print(f"[recover-hsdp] newcomer rank {me}: parameters differ from the "
+                          "donor's after the transfer", flush=True)
+        ok = channel.agree(ok)
+        if ok:
+            ok = world.grow(channel.merged, channel.ranks,
+                            tuple(offer.alive_replicas) + tuple(offer.new_replicas),
+                            offer.num_replicas, offer.epoch)
+        if not ok:
+            print(f"[recover-hsdp] newcomer rank {me}: join aborted; exiting", flush=True)
+            world.close()
+            os._exit(0)
+        from recover_hsdp.workload import WorkloadPolicy
+
+        self.policy = WorkloadPolicy.from_state_dict(meta["policy"])
+        self._ledger_records = list(meta["ledger"])
+        self.procs = list(meta["procs"])
+        self.outputs.steps, self.outputs.events = list(meta["steps"]), list(meta["events"])
+        self.replica, self.shard = world.replica, world.shard
+        self._joined(channel, list(offer.new_replicas))
+        print(f"[recover-hsdp] newcomer rank {me} (replica {self.replica}): joined at step "
+              f"{offer.payload['step']} in {time.perf_counter() - started:.2f}s", flush=True)
+        return int(offer.payload["step"])
