@@ -30,7 +30,7 @@ def clear_run_files(out_dir: str | Path) -> list[str]:
         if path.exists():
             path.unlink()
             removed.append(path.name)
-    for folder in ("membership", "errors", "samples"):  # arbiter claims, replica errors, data log
+    for folder in ("membership", "errors", "samples", "join"):  # claims, errors, data log, joins
         if (out_dir / folder).is_dir():
             shutil.rmtree(out_dir / folder)
             removed.append(f"{folder}/")

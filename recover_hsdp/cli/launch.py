@@ -2,6 +2,7 @@
 
     recover-hsdp train --config FILE [--replicas R] [--ranks-per-replica S] [--stock]
                        [--out DIR] [-- <torchtitan --section.field overrides>]
+    recover-hsdp join --out DIR [--host H]      # bring a lost replica of that job back
 
 Default: ReCoVer through ``mpirun --with-ft ulfm`` with R*S ranks (one per device). ``--stock``:
 stock TorchTitan HSDP (replicate degree R, shard degree S) through torchrun, same config, data and
@@ -210,6 +211,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="after the run's summary is written, how long mpirun may take to "
                             "return before the launcher ends it (default 20)")
     train.add_argument("overrides", nargs="*", help="after --: torchtitan overrides")
+    join = sub.add_parser("join", help="bring a lost replica of a running job back (spawned by "
+                                       "the job at its next step boundary)")
+    join.add_argument("--out", required=True, help="the running job's output directory")
+    join.add_argument("--host", default=None,
+                      help="host to start the replacement on (default: the job's hosts)")
+    join.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds to wait for the job to take the request (default 600)")
     demo = sub.add_parser("demo", help="the failure demo: a failure-free reference run, then the "
                                        "same job with replicas SIGKILLed during the gradient sync")
     demo.add_argument("--config", default="torchtitan_configs/debug_cpu.toml")
@@ -220,6 +228,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "join":
+        from recover_hsdp.cli.join import run_join
+
+        return run_join(args)
     if args.command == "demo":
         from recover_hsdp.cli.demo import run_demo
 

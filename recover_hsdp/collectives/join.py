@@ -144,41 +144,88 @@ class JoinChannel:
             return False
 
 
-def spawn(world: FaultTolerantWorld, command: str, args: list[str], count: int,
-          host: str | None = None) -> JoinChannel | None:
-    """Survivors (collective over the world's global communicator): stage 1. Returns the
-    channel, or None when the spawn or the merge failed (then the world's epoch is failed when
-    the world itself saw the failure; the caller goes on to its consensus)."""
+class PendingJoin:
+    """Spawned ranks that are still starting (stage 1, survivors' side). The survivors go on
+    training meanwhile: the newcomers enter a non-blocking barrier on the inter-communicator
+    once their trainer is built, and each survivor tests it at every step (a local call)."""
+
+    def __init__(self, world: FaultTolerantWorld, inter: MPI.Comm, replicas: tuple[int, ...]):
+        self.world, self.inter, self.replicas = world, inter, replicas
+        self.request = inter.Ibarrier()
+        self.started = time.monotonic()
+        self.ready_at: float | None = None
+
+    def test(self) -> tuple[bool, bool]:
+        """(ready, failed) as this rank sees it; the caller agrees on them across survivors."""
+        try:
+            ready = bool(self.request.Test())
+        except MPI.Exception as err:
+            log_line(f"rank {self.world.world_rank}: join: newcomers failed before they were "
+                     f"ready ({err.Get_error_class()})")
+            return False, True
+        if ready and self.ready_at is None:
+            self.ready_at = time.monotonic()
+        return ready, False
+
+    def merge(self) -> JoinChannel | None:
+        """Stage 1's end, once every survivor saw the newcomers ready (collective)."""
+        try:
+            with self.world._guard.call("Merge", self.world.deadlines.repair_s):
+                merged = self.inter.Merge(high=False)
+        except MPI.Exception as err:
+            log_line(f"rank {self.world.world_rank}: join: merge failed ({err.Get_error_class()})")
+            self.abort()
+            return None
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        self.world._graveyard.append(self.inter)
+        return JoinChannel(self.world, merged)
+
+    def abort(self) -> None:
+        """Give the newcomers up: revoking the inter-communicator ends their wait (they exit)."""
+        self.world._revoke(self.inter)
+        self.world._graveyard.append(self.inter)
+
+
+def spawn(world: FaultTolerantWorld, command: str, args: list[str], replicas: tuple[int, ...],
+          host: str | None = None) -> PendingJoin | None:
+    """Survivors (collective over the world's global communicator): start S ranks per replica
+    of ``replicas``. Blocks until they initialised MPI (their first act), not until they are
+    ready. None when the spawn failed (the world's epoch is then failed: the caller's next
+    consensus repairs it)."""
     info = MPI.Info.Create()
     if host:
         info.Set("host", host)
+    count = len(replicas) * world.layout.ranks_per_replica
     started = time.monotonic()
     try:
         with world._guard.call("Spawn", world.deadlines.repair_s):
             inter = world.global_comm.Spawn(command, args, maxprocs=count, info=info, root=0)
         inter.Set_errhandler(MPI.ERRORS_RETURN)
-        with world._guard.call("Merge", world.deadlines.repair_s):
-            merged = inter.Merge(high=False)
     except MPI.Exception as err:
-        log_line(f"rank {world.world_rank}: join: spawn/merge failed ({err.Get_error_class()})")
+        log_line(f"rank {world.world_rank}: join: spawn failed ({err.Get_error_class()})")
         world.fail_epoch("spawn failed")
         return None
     finally:
         info.Free()
-    merged.Set_errhandler(MPI.ERRORS_RETURN)
-    world._graveyard.append(inter)
     log_line(f"rank {world.world_rank}: join: spawned {count} ranks in "
              f"{time.monotonic() - started:.2f}s")
-    return JoinChannel(world, merged)
+    return PendingJoin(world, inter, tuple(replicas))
 
 
-def parent_channel(world: FaultTolerantWorld) -> JoinChannel:
-    """Newcomers: stage 1 from the other side (the job that spawned this process)."""
+def parent_channel(world: FaultTolerantWorld) -> JoinChannel | None:
+    """Newcomers: stage 1 from the other side, once this rank's trainer is built: the barrier
+    the survivors test, then the merge. None when the survivors gave the join up."""
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
         raise RuntimeError("this process was not spawned by a recover-hsdp job")
     parent.Set_errhandler(MPI.ERRORS_RETURN)
-    with world._guard.call("Merge", world.deadlines.repair_s):
-        merged = parent.Merge(high=True)
+    try:
+        with world._guard.paused():  # the survivors take it at a later step boundary
+            parent.Ibarrier().Wait()
+        with world._guard.call("Merge", world.deadlines.repair_s):
+            merged = parent.Merge(high=True)
+    except MPI.Exception as err:
+        log_line(f"newcomer: join given up by the job ({err.Get_error_class()})")
+        return None
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     return JoinChannel(world, merged)

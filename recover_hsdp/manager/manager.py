@@ -50,7 +50,7 @@ from recover_hsdp.collectives.processes import ProcessInfo
 from recover_hsdp.errors import one_line
 from recover_hsdp.faults import ConsensusPoint, FaultInjector, Phase
 from recover_hsdp.manager.between_steps import BetweenSteps
-from recover_hsdp.manager.rejoin import Rejoin, join_requests
+from recover_hsdp.manager.rejoin import Rejoin
 from recover_hsdp.outputs import RunMetrics, backfill_jsonl
 from recover_hsdp.workload import DataAssignment, DataRef, Role, StepPlan, WorkloadPolicy
 from recover_hsdp.workload.ledger import LedgerWriter, plan_record
@@ -255,13 +255,12 @@ class RecoverManager(BetweenSteps, Rejoin):
         microbatch gradients; one rank per FSDP rank adds its loss and tokens, so the positions
         must come to B x tokens per microbatch. A failed reduce returns garbage and fails the epoch
         (recomputed after the repair)."""
-        local = np.zeros(6, np.float64)
+        local = np.zeros(8, np.float64)
         for microbatch in mine.committed_ids if self.counts_data else ():
             local[:3] += state.stats.get(microbatch, (0.0, 0, 0))  # missing: not computed
         count, agree = self.bucket_sync.reduced_microbatches()
         local[3:5] = count, not agree
-        if self.is_writer:  # operator join requests ride along: [Note: rejoin at a boundary]
-            local[5] = len(join_requests(self.out_dir))
+        local[5:] = self.join_totals()  # ride along: [Note: rejoin at a boundary]
         self.world.allreduce_global(local)
         return local
 
@@ -329,7 +328,7 @@ class RecoverManager(BetweenSteps, Rejoin):
         except Exception as err:  # noqa: BLE001 - committed elsewhere; this replica's state is lost
             self.replica_error(step, "optimizer: " + one_line(err))
         self.policy.commit(plan)
-        self.join_requests_seen = int(totals[5])
+        self.agree_join_totals(totals[5:])
         mine = plan.assignment(self.replica)
         self.committed_data = [mine.data_ref(i) for i in sorted(mine.committed_ids)]
         self._ledger_records.append(plan_record(plan, self.world.epoch))

@@ -2,19 +2,24 @@
 
 [Note: rejoin at a boundary] Before a step, every survivor decides the same thing from agreed
 facts only: the replicas missing (W_init minus the alive ones), how many steps ago one was last
-lost (``[recover] respawn_after_steps``), and the operator's join requests counted by the writer
-and summed in the previous step's totals reduce (``recover-hsdp join``). When a join is due:
+lost (``[recover] respawn_after_steps``), and the operator's join requests counted by the writer;
+the counts ride along in every step's totals reduce (no extra collective). When a join is due:
 
-  1. the survivors spawn S ranks per missing replica (the replica ids of dead ones) and merge
-     them in ([Note: rejoin] in recover_hsdp/collectives/join.py: spawn, offer, state, grow);
-  2. the donor (the writer's replica, rank s for shard s) sends each newcomer rank s its
-     state: parameters and optimizer state (this rank's local shards, in a fixed order), LR
-     schedulers, step, token count, the policy, the run's metrics / ledger history; the
-     newcomer checks a checksum of its parameters against the donor's before it computes;
+  1. start: the survivors spawn S ranks per missing replica (the replica ids of dead ones;
+     ``MPI_Comm_spawn`` blocks only until they initialised MPI) and go on training while the
+     newcomers build their trainer; each survivor tests, at every step, the non-blocking
+     barrier the newcomers enter once ready, and the totals reduce agrees on it;
+  2. at the first boundary after every survivor saw them ready, the join completes
+     ([Note: rejoin] in recover_hsdp/collectives/join.py: merge, offer, state, grow): the donor
+     (the writer's replica, rank s for shard s) sends each newcomer rank s its state:
+     parameters and optimizer state (this rank's local shards, in a fixed order), LR
+     schedulers, tokens seen, the policy, the run's metrics / ledger history and process
+     table; the newcomer checks a checksum of its parameters against the donor's;
   3. one agreement: all ok, or the join is aborted (newcomers exit, survivors go on with their
      old world; a survivor that died is found by the next step as any death);
   4. the world grows (new epoch, alive replicas + newcomers); the policy admits them, so G
      goes back toward G_init with B unchanged (``WorkloadPolicy.admit``).
+The survivors stall only for 2-4 (and the spawn call of 1), not for the newcomers' start-up.
 A death of the donor, a survivor or a newcomer during the join aborts it, never the job; the
 next attempt is ``respawn_after_steps`` later (or at the next request).
 """
@@ -63,16 +68,44 @@ class Rejoin:
     respawn_after_steps: int = 0
     _lost_since: int | None = None
     _alive_before: int | None = None
+    _pending = None              # collectives.join.PendingJoin while newcomers start
+    _pending_requests: list = []
     join_requests_seen: int = 0  # agreed in the last committed step's totals
+    _join_ready: bool = False    # every survivor saw the newcomers ready (agreed, ditto)
+    _join_failed: bool = False
 
     # ---------------------------------------------------------------- survivors
 
+    def join_totals(self) -> tuple[float, float, float]:
+        """This rank's share of the step's totals reduce: (join requests seen by the writer,
+        newcomers ready as this rank sees them, newcomers failed as this rank sees them)."""
+        requests = len(join_requests(self.out_dir)) if self.is_writer else 0
+        ready = failed = False
+        if self._pending is not None:
+            ready, failed = self._pending.test()
+        return float(requests), float(ready), float(failed)
+
+    def agree_join_totals(self, totals) -> None:
+        """The committed step's sums of :meth:`join_totals` (identical on every rank)."""
+        ranks = len(self.world.alive_replicas) * self.world.layout.ranks_per_replica
+        self.join_requests_seen = int(totals[0])
+        self._join_ready = self._pending is not None and int(totals[1]) == ranks
+        self._join_failed = self._pending is not None and totals[2] > 0
+
     def maybe_admit(self, step: int, work: JoinWork) -> None:
-        """Survivors, before ``step``: run [Note: rejoin at a boundary] when a join is due."""
+        """Survivors, before ``step``: [Note: rejoin at a boundary]. Starts replacements when a
+        join is due, completes a started join once every survivor saw them ready."""
         alive = self.world.alive_replicas
-        if self._alive_before is not None and len(alive) < self._alive_before:
-            self._lost_since = step
+        lost = self._alive_before is not None and len(alive) < self._alive_before
         self._alive_before = len(alive)
+        if lost:
+            self._lost_since = step
+        if self._pending is not None:
+            if lost or self._join_failed:  # a death since: the join's communicator holds it
+                self._give_up(step, "a process died while the newcomers started")
+            elif self._join_ready:
+                self._complete(step, work)
+            return
         missing = [r for r in range(self.policy.initial_replicas) if r not in alive]
         if not missing:
             return
@@ -83,22 +116,42 @@ class Rejoin:
         if not due_respawn:
             missing = missing[:self.join_requests_seen]
         self._lost_since = step  # the next attempt, if this one fails, N steps later
-        self._admit(step, work, missing)
+        self._start(step, work, missing)
 
-    def _admit(self, step: int, work: JoinWork, replicas: list[int]) -> None:
-        from recover_hsdp.collectives.join import JoinOffer, spawn
+    def _start(self, step: int, work: JoinWork, replicas: list[int]) -> None:
+        from recover_hsdp.collectives.join import spawn
 
-        world = self.world
         started = time.perf_counter()
-        requests = join_requests(self.out_dir) if self.is_writer else []
-        host = None
-        if requests:
-            host = json.loads(requests[0].read_text()).get("host") or None
+        requests = join_requests(self.out_dir)[:len(replicas)] if self.is_writer else []
+        host = json.loads(requests[0].read_text()).get("host") if requests else None
         command, args = work.spawn_command(replicas)
-        count = len(replicas) * world.layout.ranks_per_replica
-        channel = spawn(world, command, args, count, host=host)
-        record: dict[str, Any] = {"step": step, "phase": "join", "joined_replicas": [],
-                                  "requested_replicas": replicas, "epoch_before": world.epoch}
+        self._pending = spawn(self.world, command, args, tuple(replicas), host=host or None)
+        self._pending_requests = requests
+        self._join_ready = self._join_failed = False
+        self._join_record = {"phase": "join", "step_started": step, "requested_replicas": replicas,
+                             "spawn_stall_s": time.perf_counter() - started}
+        if self._pending is None:
+            self._finish_request(requests, False)
+
+    def _give_up(self, step: int, reason: str) -> None:
+        self._pending.abort()
+        self._pending = None
+        self._finish_request(self._pending_requests, False)
+        self._log_join({**self._join_record, "step": step, "ok": False, "reason": reason,
+                        "joined_replicas": [], "epoch": self.world.epoch,
+                        "alive_replicas": list(self.world.alive_replicas), "join_stall_s": 0.0})
+
+    def _complete(self, step: int, work: JoinWork) -> None:
+        from recover_hsdp.collectives.join import JoinOffer
+
+        world, pending = self.world, self._pending
+        self._pending = None
+        started = time.perf_counter()
+        replicas = list(pending.replicas)
+        record = {**self._join_record, "step": step, "joined_replicas": [],
+                  "start_to_ready_s": (pending.ready_at or time.monotonic()) - pending.started,
+                  "epoch_before": world.epoch}
+        channel = pending.merge()
         ok = channel is not None
         if ok:
             donor = min(world.alive_replicas)
@@ -106,10 +159,11 @@ class Rejoin:
                               world.layout.ranks_per_replica, world.layout.num_replicas, donor,
                               payload={"step": step, "arbiter": world.arbiter_dir})
             ok = channel.exchange(offer, world.world_rank, ProcessInfo.current()) is not None
-            spawned_s = time.perf_counter() - started
             moved, transfer_s = 0, 0.0
             if ok and self.replica == donor:
                 moved, transfer_s, ok = self._send_state(channel, work, replicas, step)
+                record.update(bytes_per_donor_rank=moved, transfer_s=transfer_s,
+                              transfer_mb_per_s=moved / 1e6 / transfer_s if transfer_s else None)
             ok = channel.agree(ok)
             if ok:
                 ok = world.grow(channel.merged, channel.ranks,
@@ -117,14 +171,12 @@ class Rejoin:
                                 world.layout.num_replicas, world.epoch)
             if not ok:
                 channel.abort()
-            record.update(spawn_s=spawned_s, bytes_per_donor_rank=moved,
-                          transfer_s=transfer_s)
         if ok:
             self._joined(channel, replicas)
             record["joined_replicas"] = replicas
+        self._finish_request(self._pending_requests, ok)
         record.update(ok=ok, epoch=world.epoch, alive_replicas=list(world.alive_replicas),
-                      join_s=time.perf_counter() - started, stall_s=time.perf_counter() - started)
-        self._finish_request(requests[:len(replicas)], ok)
+                      join_stall_s=time.perf_counter() - started)
         self._log_join(record)
 
     def _send_state(self, channel, work: JoinWork, replicas, step: int):
@@ -181,9 +233,11 @@ class Rejoin:
 
     def _log_join(self, record: dict[str, Any]) -> None:
         self.outputs.log_event(record)
-        print(f"[recover-hsdp] rank {self.world.world_rank}: join at step {record['step']}: "
-              f"{'replicas ' + str(record['joined_replicas']) + ' joined' if record['ok'] else 'aborted'}"
-              f" in {record['join_s']:.2f}s, alive {record['alive_replicas']}", flush=True)
+        outcome = (f"replicas {record['joined_replicas']} joined" if record["ok"]
+                   else f"aborted ({record.get('reason', 'a process died during it')})")
+        print(f"[recover-hsdp] rank {self.world.world_rank}: join before step {record['step']}: "
+              f"{outcome}; survivors stalled {record['join_stall_s']:.2f}s here, alive "
+              f"{record['alive_replicas']}", flush=True)
 
     # ---------------------------------------------------------------- newcomers
 
@@ -196,7 +250,7 @@ class Rejoin:
         started = time.perf_counter()
         channel = parent_channel(world)
         me = world.world_rank
-        offer = channel.exchange(None, None, ProcessInfo.current())
+        offer = channel.exchange(None, None, ProcessInfo.current()) if channel else None
         ok = offer is not None
         if ok:
             assert channel.ranks[channel.merged.Get_rank()] == me, "join offer: wrong replica id"
@@ -222,7 +276,7 @@ class Rejoin:
                 if not ok:
                     print(f"[recover-hsdp] newcomer rank {me}: parameters differ from the "
                           "donor's after the transfer", flush=True)
-        ok = channel.agree(ok)
+        ok = channel is not None and channel.agree(ok)
         if ok:
             ok = world.grow(channel.merged, channel.ranks,
                             tuple(offer.alive_replicas) + tuple(offer.new_replicas),
