@@ -41,6 +41,7 @@ class BetweenSteps:
         one of the two agreements unclean: the world is repaired, the next writer takes over
         (back-filling what the old one had not written) and writes everything again. Each round
         needs a new death, so this ends; then the world's last fault-tolerant agreement."""
+        self.abandon_join(self._current_step)  # newcomers still starting: [Note: rejoin ...]
         while True:
             self._agree(not self.world.epoch_failed, "end of run")
             self._take_over_writer_duties()

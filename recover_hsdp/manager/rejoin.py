@@ -133,6 +133,11 @@ class Rejoin:
         if self._pending is None:
             self._finish_request(requests, False)
 
+    def abandon_join(self, step: int) -> None:
+        """The run ends with newcomers still starting: they are told to exit."""
+        if self._pending is not None:
+            self._give_up(step, "the run ended before the newcomers were ready")
+
     def _give_up(self, step: int, reason: str) -> None:
         self._pending.abort()
         self._pending = None
@@ -157,11 +162,13 @@ class Rejoin:
             donor = min(world.alive_replicas)
             offer = JoinOffer(world.epoch, world.alive_replicas, tuple(replicas),
                               world.layout.ranks_per_replica, world.layout.num_replicas, donor,
-                              payload={"step": step, "arbiter": world.arbiter_dir})
+                              payload={"step": step, "arbiter": world.arbiter_dir,
+                                       "step_started": record["step_started"]})
             ok = channel.exchange(offer, world.world_rank, ProcessInfo.current()) is not None
             moved, transfer_s = 0, 0.0
             if ok and self.replica == donor:
-                moved, transfer_s, ok = self._send_state(channel, work, replicas, step)
+                moved, transfer_s, ok = self._send_state(channel, work, replicas,
+                                                         record["step_started"])
                 record.update(bytes_per_donor_rank=moved, transfer_s=transfer_s,
                               transfer_mb_per_s=moved / 1e6 / transfer_s if transfer_s else None)
             ok = channel.agree(ok)
@@ -172,16 +179,17 @@ class Rejoin:
             if not ok:
                 channel.abort()
         if ok:
-            self._joined(channel, replicas)
             record["joined_replicas"] = replicas
         self._finish_request(self._pending_requests, ok)
         record.update(ok=ok, epoch=world.epoch, alive_replicas=list(world.alive_replicas),
                       join_stall_s=time.perf_counter() - started)
-        self._log_join(record)
+        self._log_join(record)  # by the writer before the join, which may hand its duty over
+        if ok:
+            self._joined(channel, replicas)
 
-    def _send_state(self, channel, work: JoinWork, replicas, step: int):
+    def _send_state(self, channel, work: JoinWork, replicas, step_started: int):
         started = time.perf_counter()
-        meta = self._join_meta(work, step)
+        meta = self._join_meta(work)
         buffers = work.join_tensors()
         flat = np.concatenate([b.reshape(-1).view(np.uint8) for b in buffers]) if buffers \
             else np.zeros(0, np.uint8)
@@ -190,11 +198,12 @@ class Rejoin:
         for r in replicas:
             peer = r * s + self.shard
             ok = ok and channel.send(meta, peer)
-            self.faults.at(step, Phase.JOIN)  # the donor dies mid-transfer (tests)
+            # phase=join, step=N: mid-transfer of the join started before step N (tests)
+            self.faults.at(step_started, Phase.JOIN)
             ok = ok and channel.send_bytes(flat, peer)
         return int(flat.size), time.perf_counter() - started, ok
 
-    def _join_meta(self, work: JoinWork, step: int) -> dict[str, Any]:
+    def _join_meta(self, work: JoinWork) -> dict[str, Any]:
         return {"work": work.join_meta(), "policy": self.policy.state_dict(),
                 "ledger": self._ledger_records, "steps": self.outputs.steps,
                 "events": self.outputs.events, "procs": self.procs, "checksum": self._checksum()}
@@ -259,7 +268,7 @@ class Rejoin:
             world.arbiter_dir = offer.payload.get("arbiter")
             donor_rank = offer.donor * offer.ranks_per_replica + self.shard
             meta = channel.recv(donor_rank)
-            self.faults.at(offer.payload["step"], Phase.JOIN)  # the newcomer dies mid-transfer
+            self.faults.at(offer.payload["step_started"], Phase.JOIN)  # dies mid-transfer
             ok = meta is not None
             if ok:
                 buffers = work.join_tensors()
@@ -292,6 +301,10 @@ class Rejoin:
         self.procs = list(meta["procs"])
         self.outputs.steps, self.outputs.events = list(meta["steps"]), list(meta["events"])
         self.replica, self.shard = world.replica, world.shard
+        self.outputs.events.append({  # the survivors' record of this join has the same key
+            "phase": "join", "step": int(offer.payload["step"]), "epoch": world.epoch,
+            "ok": True, "joined_replicas": list(offer.new_replicas),
+            "alive_replicas": list(world.alive_replicas)})
         self._joined(channel, list(offer.new_replicas))
         print(f"[recover-hsdp] newcomer rank {me} (replica {self.replica}): joined at step "
               f"{offer.payload['step']} in {time.perf_counter() - started:.2f}s", flush=True)
