@@ -62,6 +62,9 @@ class RecoverLlama(Transformer):
 
 RECOVER_LLAMA3_FLAVORS = {
     **llama3_args,
+    # a larger CPU model for benchmarks (e.g. the rejoin transfer): dim 512, 8 layers, 26M params
+    "cpu_large": RecoverLlamaArgs(dim=512, n_layers=8, n_heads=8, vocab_size=2048,
+                                  rope_theta=500000),
     "1B": RecoverLlamaArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
         multiple_of=256, rope_theta=500000, vocab_size=128256, tie_word_embeddings=True,

@@ -166,6 +166,9 @@ class RecoverTrainer(Trainer):
     def join_meta(self) -> dict:
         return {"ntokens_seen": self.ntokens_seen,
                 "lr_schedulers": self.lr_schedulers.state_dict(),
+                # stream mode: the loader states of the last checkpoint (a resumed slot then
+                # replays from there, not from the start of its part)
+                "dataloader": self.dataloader.state_dict(),
                 "param_groups": [[{k: v for k, v in group.items() if k != "params"}
                                   for group in optimizer.param_groups]
                                  for optimizer in self.optimizers.optimizers]}
@@ -173,6 +176,7 @@ class RecoverTrainer(Trainer):
     def load_join_meta(self, meta: dict) -> None:
         self.ntokens_seen = meta["ntokens_seen"]
         self.lr_schedulers.load_state_dict(meta["lr_schedulers"])
+        self.dataloader.load_state_dict(meta["dataloader"])
         for optimizer, groups in zip(self.optimizers.optimizers, meta["param_groups"]):
             for group, saved in zip(optimizer.param_groups, groups):
                 group.update(saved)
