@@ -266,3 +266,26 @@ def test_policy_rejects_inconsistent_sizes():
     with pytest.raises(ValueError, match="data_parallel_replicate_degree"):
         policy(0, 3)
     assert policy(data_assignment=DataAssignment.EXACT).data_assignment is DataAssignment.EXACT
+
+
+# ---- rejoin ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["exact", "stream"])
+def test_admitted_replicas_bring_g_back_and_keep_b(mode):
+    """[Note: rejoin at a boundary]: 4 x 3, replica 1 lost at step 0, back before step 2."""
+    p = policy(4, 3, data_assignment=mode)
+    plan = p.replan(p.plan(0), [1])
+    p.commit(plan)
+    during = p.plan(1)
+    assert during.g == 4 and during.committed_total() == 12 and 1 not in during.alive
+    p.commit(during)
+    p.admit([1])
+    after = p.plan(2)
+    assert after.alive == (0, 1, 2, 3) and after.g == 3 and after.committed_total() == 12
+    assert [a.role for a in after.assignments] == [Role.MAJOR] * 4
+    if mode == "exact":  # the failure-free ids again
+        assert after.committed_ids() == {r: tuple(range(24 + 3 * r, 27 + 3 * r)) for r in range(4)}
+    else:  # the newcomer resumes replica 1's slot where its committed positions stopped
+        assert p.slot_of(1) == 1 and p.orphaned_slots() == {}
+        assert after.assignment(1).compute_ids == (0, 1, 2)
+    with pytest.raises(ValueError, match="cannot join"):
+        p.admit([2])

@@ -363,7 +363,8 @@ class WorkloadPolicy:
         if set(new) & set(self.alive) or any(r < 0 or r >= self.initial_replicas for r in new):
             raise ValueError(f"replicas {list(new)} cannot join: alive {list(self.alive)}, "
                              f"W_init {self.initial_replicas}")
-        free = list(self.orphaned_slots())
+        read = {self.slot_of(r) for r in self.alive}
+        free = [slot for slot in range(self.initial_replicas) if slot not in read]
         self.alive = _sorted_ids((*self.alive, *new))
         if self.data_assignment is DataAssignment.STREAM:
             for r in new:
