@@ -66,6 +66,6 @@ def _report(out: Path, ok: bool) -> int:
               f"survivors stalled {last.get('join_stall_s', float('nan')):.2f}s); alive "
               f"{last.get('alive_replicas')}", flush=True)
         return 0
-    print("recover-hsdp: error: the join was aborted (a process died during it); the job goes "
-          "on without it: run recover-hsdp join again", file=sys.stderr)
+    print("recover-hsdp: error: nothing joined (no replica was missing, or a process died during "
+          f"the join: see {out / 'events.jsonl'}); the job goes on", file=sys.stderr)
     return 1

@@ -83,6 +83,9 @@ class Rejoin:
         ready = failed = False
         if self._pending is not None:
             ready, failed = self._pending.test()
+            if not ready and time.monotonic() - self._pending.started > \
+                    self.world.deadlines.repair_s:  # newcomers that never get ready
+                failed = True
         return float(requests), float(ready), float(failed)
 
     def agree_join_totals(self, totals) -> None:
@@ -108,6 +111,8 @@ class Rejoin:
             return
         missing = [r for r in range(self.policy.initial_replicas) if r not in alive]
         if not missing:
+            if self.join_requests_seen and self.is_writer:  # nothing to bring back
+                self._finish_request(join_requests(self.out_dir), False)
             return
         due_respawn = (self.respawn_after_steps > 0 and self._lost_since is not None
                        and step - self._lost_since >= self.respawn_after_steps)

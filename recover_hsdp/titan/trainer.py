@@ -116,6 +116,7 @@ class RecoverTrainer(Trainer):
         if self._joining:  # a replacement rank: take the live state, then the survivors' step
             self.step = self.manager.join_as_newcomer(self)
             self._joining = False
+            self.metrics_processor._last_log = time.perf_counter()  # its steps start now
         else:
             self.manager.maybe_admit(self.step, self)
         started = time.perf_counter()
