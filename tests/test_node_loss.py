@@ -28,6 +28,15 @@ pytestmark = skip_unless_available()
 STEPS = 8
 
 
+def _names(tag: str, salt: int) -> tuple[str, str]:
+    """A namespace prefix and a /24 of our own. NETNS_TEST_PREFIX (<= 6 chars) and
+    NETNS_TEST_NET ("a.b") override the defaults ("rhl<pid>", "10.231") when several people share
+    a machine."""
+    prefix = os.environ.get("NETNS_TEST_PREFIX", f"rhl{os.getpid() % 1000}")
+    net = os.environ.get("NETNS_TEST_NET", "10.231")
+    return f"{prefix}{tag}"[:8], f"{net}.{(salt + os.getpid()) % 250}"
+
+
 def _launch(cluster: NetnsCluster, out, steps=STEPS):
     """``recover-hsdp train`` run inside node 0, one replica per node."""
     mpi = [*cluster.mpirun_args(), "--map-by", "ppr:1:node"]
@@ -75,8 +84,7 @@ def _node_of(out, replica: int) -> int:
 def test_lost_node_the_others_finish(tmp_path, fault, nodes):
     out = tmp_path / "run"
     out.mkdir()
-    prefix = f"rhl{os.getpid() % 1000}{fault[0]}{nodes}"
-    subnet = f"10.231.{(50 + os.getpid() + 7 * nodes + (fault == 'link_down')) % 250}"
+    prefix, subnet = _names(f"{fault[0]}{nodes}", 50 + 7 * nodes + (fault == "link_down"))
     with NetnsCluster(nodes, prefix=prefix, subnet=subnet) as cluster:
         proc, log = _launch(cluster, out)
         _wait_for_step(out, 3, proc)
@@ -119,7 +127,7 @@ def test_crashed_node_with_its_daemon_ends_the_job_cleanly(tmp_path):
     promptly, says so in one line, and no process of the job is left on any node."""
     out = tmp_path / "run"
     out.mkdir()
-    prefix, subnet = f"rhl{os.getpid() % 1000}a", f"10.231.{150 + (os.getpid() % 100)}"
+    prefix, subnet = _names("a", 150)
     with NetnsCluster(4, prefix=prefix, subnet=subnet) as cluster:
         proc, log = _launch(cluster, out)
         _wait_for_step(out, 2, proc)
