@@ -50,7 +50,7 @@ def heartbeat_detector_args(timeout_s: float = 4.0) -> list[str]:
     By default Open MPI 5.0 tells the others through PMIx (its local PRRTE daemon), and across
     nodes that notice did not arrive: a survivor blocked in a send to the frozen or cut-off rank
     (ob1 cannot cancel a send to a peer it believes alive, not even after a revoke) stayed blocked
-    until its deadline, and the job lost it too (4 namespace nodes: 2/2 hung). With
+    until its deadline, and the job lost it too (4 namespace nodes; docs/ULFM_NOTES.md). With
     ``mpi_ft_propagator_with_rbcast`` the observer also broadcasts the notice over the BTL to every
     rank (the same reliable broadcast as a revoke); the blocked send then completes in error at once.
     """
