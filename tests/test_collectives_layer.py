@@ -46,7 +46,8 @@ def test_mpirun_prefix_and_check():
     joined = " ".join(args)
     for flag in ("--mca pml ob1", "--mca btl tcp,self",
                  "--mca btl_tcp_flags send,inplace,need-ack,need-csum", "-x OMP_NUM_THREADS=1",
-                 "-x FOO=1", "--mca mpi_ft_detector true", "--oversubscribe"):
+                 "-x FOO=1", "--mca mpi_ft_detector true", "--oversubscribe",
+                 "--mca mpi_ft_propagator_with_rbcast true"):
         assert flag in joined
     assert args[-2:] == ["-np", "6"]
     assert check_ulfm_mpirun().startswith("5.")

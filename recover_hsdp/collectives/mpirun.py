@@ -45,12 +45,21 @@ def heartbeat_detector_args(timeout_s: float = 4.0) -> list[str]:
     measurable failure-free cost. A stuck main thread of a live process is NOT seen (its detector
     thread still beats): that is the hang watchdog's job (``recover_hsdp.collectives.guard``).
     Empty for ``timeout_s <= 0``.
+
+    [Note: in-band failure notices] Only the rank that observes the silent one declares it dead.
+    By default Open MPI 5.0 tells the others through PMIx (its local PRRTE daemon), and across
+    nodes that notice did not arrive: a survivor blocked in a send to the frozen or cut-off rank
+    (ob1 cannot cancel a send to a peer it believes alive, not even after a revoke) stayed blocked
+    until its deadline, and the job lost it too (4 namespace nodes; docs/ULFM_NOTES.md). With
+    ``mpi_ft_propagator_with_rbcast`` the observer also broadcasts the notice over the BTL to every
+    rank (the same reliable broadcast as a revoke); the blocked send then completes in error at once.
     """
     if timeout_s <= 0:
         return []
     return ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
             "--mca", "mpi_ft_detector_period", f"{timeout_s / 4:g}",
-            "--mca", "mpi_ft_detector_timeout", f"{timeout_s:g}"]
+            "--mca", "mpi_ft_detector_timeout", f"{timeout_s:g}",
+            "--mca", "mpi_ft_propagator_with_rbcast", "true"]
 
 
 def default_mpirun() -> str:
