@@ -1,18 +1,20 @@
 """Detection of failures that close no socket, repeated: how often the job survives, how fast.
 
     python benchmarks/detection_bench.py [--runs 10] [--scenarios frozen,netns_frozen,netns_link]
+                                         [--nodes 3]
 
 Scenarios (the real 4 x 1 / 3 x 1 debug job, 8 steps, exact data assignment, default
 ``detect_timeout_s = 4``):
   frozen        one host, 4 replicas; replica 2 SIGSTOPs itself in step 3's backward
-  netns_frozen  3 namespace "nodes" (tests/netns_cluster.py), one replica each; replica 2's
-                process is SIGSTOPped from outside after step 3
+  netns_frozen  --nodes (3 or 4) namespace "nodes" (tests/netns_cluster.py), one replica each;
+                replica 2's process is SIGSTOPped from outside after step 3
   netns_link    same cluster; node 2's link is taken down after step 3 (no RST)
 Each run counts as survived when the launcher exits 0, every step committed B microbatches and
 exactly replica 2 was lost. Detection time: from the fault (the victim's record in
 faults_fired.jsonl, or the harness's clock when it stops the process / downs the link) to the
 survivors' agreement that replica 2 is gone (``decided_at`` of the failure event).
-Writes benchmarks/results/detection.json.
+Writes benchmarks/results/detection.json (the namespace scenarios keyed by node count when it is
+not 3; scenarios not run keep their earlier entry).
 """
 
 from __future__ import annotations
@@ -69,15 +71,15 @@ def run_frozen(workdir: Path) -> dict:
     return result
 
 
-def run_netns(workdir: Path, fault: str, index: int) -> dict:
+def run_netns(workdir: Path, fault: str, index: int, nodes: int) -> dict:
     from netns_cluster import NetnsCluster
 
     out = workdir / fault
     out.mkdir(parents=True)
-    with NetnsCluster(3, prefix=f"rhdb{index % 100}{fault[0]}",
+    with NetnsCluster(nodes, prefix=f"rhdb{index % 100}{fault[6]}{nodes}",
                       subnet=f"10.231.{200 + index % 50}") as cluster:
         mpi = [*cluster.mpirun_args(), "--map-by", "ppr:1:node"]
-        args = _launch_args(out, 3, [f"--mpi-arg={a}" for a in mpi])
+        args = _launch_args(out, nodes, [f"--mpi-arg={a}" for a in mpi])
         log = open(workdir / f"{fault}.log", "w")
         started = time.time()
         proc = cluster.popen(0, args, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
@@ -97,7 +99,7 @@ def run_netns(workdir: Path, fault: str, index: int) -> dict:
             proc.kill()
             rc = -9
         log.close()
-        result = _verdict(out, rc, 3, fault_time)
+        result = _verdict(out, rc, nodes, fault_time)
         result["wall_s"] = time.time() - started
         result["leftover"] = {n: p for n, p in cluster.leftover_pids().items()
                               if not n.endswith("n2")}
@@ -108,31 +110,34 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--scenarios", default="frozen,netns_frozen,netns_link")
+    parser.add_argument("--nodes", type=int, default=3, choices=(3, 4),
+                        help="namespace nodes of the netns scenarios (one replica each)")
     args = parser.parse_args()
-    report = {}
+    path = REPO / "benchmarks" / "results" / "detection.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
     for scenario in args.scenarios.split(","):
         runs = []
         for index in range(args.runs):
             with tempfile.TemporaryDirectory() as tmp:
                 result = (run_frozen(Path(tmp)) if scenario == "frozen"
-                          else run_netns(Path(tmp), scenario, index))
+                          else run_netns(Path(tmp), scenario, index, args.nodes))
             runs.append(result)
             print(f"{scenario} run {index + 1}: survived={result['survived']} "
                   f"detect_s={result.get('detect_s')} wall={result['wall_s']:.1f}s", flush=True)
         detects = [r["detect_s"] for r in runs if r["survived"] and r.get("detect_s") is not None]
-        report[scenario] = {
+        key = scenario if scenario == "frozen" or args.nodes == 3 else f"{scenario}_{args.nodes}"
+        report[key] = {
             "runs": len(runs), "survived": sum(r["survived"] for r in runs),
             "median_detect_s": statistics.median(detects) if detects else None,
             "min_detect_s": min(detects) if detects else None,
             "max_detect_s": max(detects) if detects else None,
             "details": runs}
-        r = report[scenario]
-        print(f"== {scenario}: survived {r['survived']}/{r['runs']}, detect median "
+        r = report[key]
+        print(f"== {key}: survived {r['survived']}/{r['runs']}, detect median "
               f"{r['median_detect_s']} (min {r['min_detect_s']}, max {r['max_detect_s']})",
               flush=True)
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "detection.json").write_text(json.dumps(report, indent=2) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

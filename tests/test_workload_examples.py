@@ -289,3 +289,22 @@ def test_admitted_replicas_bring_g_back_and_keep_b(mode):
         assert after.assignment(1).compute_ids == (0, 1, 2)
     with pytest.raises(ValueError, match="cannot join"):
         p.admit([2])
+
+
+def test_admitted_replicas_recreate_spares_under_reserve():
+    """A join gives spares back as well as G: under g_raise = "reserve" the plan keeps one
+    replica's worth in reserve while W < W_init; at W_init every replica is a major again."""
+    p = policy(32, 8, g_raise="reserve", data_assignment="exact")
+    p.commit(p.replan(p.plan(0), [3, 7, 11, 15]))
+    during = p.plan(1)
+    assert (during.g, during.count(Role.SPARE), during.committed_total()) == (10, 2, 256)
+    p.commit(during)
+    p.admit([3])
+    one_back = p.plan(2)
+    assert (one_back.g, one_back.count(Role.SPARE), one_back.committed_total()) == (10, 3, 256)
+    p.commit(one_back)
+    p.admit([7, 11, 15])
+    full = p.plan(3)
+    assert full.g == 8 and [a.role for a in full.assignments] == [Role.MAJOR] * 32
+    assert full.committed_ids() == {r: tuple(range(3 * 256 + 8 * r, 3 * 256 + 8 * r + 8))
+                                    for r in range(32)}
