@@ -103,6 +103,25 @@ def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
     assert event["phase"] == "end of run" and event["dead_replicas"] == [0]
 
 
+def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
+    """2 x 2: the writer (rank 0 = shard 0 of replica 0) is SIGKILLed after the last commit;
+    its replica peer leaves with it (a replica dies as a unit) and replica 1's first rank writes
+    the summary, the final parameters and every line; the launcher reports success."""
+    result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
+                                 faults=["replica=0,step=4,phase=finish,rank=0"],
+                                 extra=["--training.steps", "4", "--recover.save_final_params"])
+    assert wall < 150, wall
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert all(s["reduced_microbatches"] == 2 and s["alive_replicas"] == 2 for s in steps)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 4
+    assert (tmp_path / "final_params.pt").exists()
+    assert [line["step"] for line in read_jsonl(tmp_path / "ledger.jsonl")] == [0, 1, 2, 3]
+    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    assert event["phase"] == "end of run" and event["dead_replicas"] == [0], event
+    assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []
+
+
 @pytest.mark.slow  # default suite time: the launcher's clean-up is one function
 def test_a_second_run_into_the_same_folder_starts_afresh(tmp_path):
     """Outputs are never mixed: the earlier run's ledger, faults and metrics are removed."""
