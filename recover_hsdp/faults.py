@@ -41,6 +41,7 @@ class Phase(str, enum.Enum):
     CHECKPOINT = "checkpoint"  # inside a DCP checkpoint save (the saving replica)
     FINISH = "finish"          # after the last step, while the writer writes the run's outputs
     JOIN = "join"              # mid-transfer of a replica rejoin (the donor's or newcomer's ranks)
+    STARTUP = "startup"        # step=0: the replica's process group exists, the model does not
 
 
 class Mode(str, enum.Enum):

@@ -103,6 +103,31 @@ def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
     assert event["phase"] == "end of run" and event["dead_replicas"] == [0]
 
 
+def test_death_while_the_model_is_built_is_survived(tmp_path, failure_free):
+    """Replica 2 is SIGKILLed at start-up, after its process group formed and before the model
+    is built (the world is built first: a death from there on is found by step 1's
+    collectives). The other 3 replicas run every step with B and the failure-free loss."""
+    result, steps, wall = _train(tmp_path, faults=["replica=2,step=0,phase=startup"])
+    _check(tmp_path, steps, failure_free, alive_after=3, wall=wall)
+    assert all(s["alive_replicas"] == 3 for s in steps)
+    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    assert event["dead_replicas"] == [2] and event["step"] == 1, event
+
+
+def test_death_of_one_rank_of_a_2x2_replica_at_start_up(tmp_path):
+    """2 x 2: rank 1 of replica 1 SIGKILLed at start-up (phase ``startup``): its replica peer's
+    first collective fails, the replica leaves as a unit at step 1, replica 0 goes on."""
+    result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
+                                 faults=["replica=1,step=0,phase=startup,rank=1"],
+                                 extra=["--training.steps", "4"])
+    assert wall < 150, wall
+    assert [s["alive_replicas"] for s in steps] == [1, 1, 1, 1]
+    assert all(s["reduced_microbatches"] == 2 for s in steps)
+    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    assert event["dead_replicas"] == [1] and event["step"] == 1, event
+    assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []
+
+
 def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
     """2 x 2: the writer (rank 0 = shard 0 of replica 0) is SIGKILLed after the last commit;
     its replica peer leaves with it (a replica dies as a unit) and replica 1's first rank writes

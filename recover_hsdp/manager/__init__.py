@@ -2,7 +2,8 @@
 
   manager.py        ``RecoverManager``: [Note: the step protocol] over the three layers
   between_steps.py  agreements outside a step: checkpoint gather, [Note: the end of a run]
-  build.py          ``build_manager``: one rank's manager wired from the config
+  build.py          ``build_world`` (before the model), ``build_manager``: one rank's manager
+                    wired from the config
   bootstrap.py      process model: MPI rank -> (replica, shard), the replica's torch.distributed
                     store
 
@@ -10,7 +11,7 @@ Imports torch and the three layers (collectives, recovery, workload), never torc
 trainer hands it a ``StepWork`` (forward/backward, gradient sync, optimizer update).
 """
 
-from recover_hsdp.manager.build import build_manager
+from recover_hsdp.manager.build import build_injector_for, build_manager, build_world
 from recover_hsdp.manager.manager import RecoverManager, StepWork
 
-__all__ = ["RecoverManager", "StepWork", "build_manager"]
+__all__ = ["RecoverManager", "StepWork", "build_injector_for", "build_manager", "build_world"]

@@ -11,30 +11,47 @@ from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.workload import WorkloadPolicy
 
 
-def build_manager(job_config, placement, model, outputs: RunMetrics,
-                  procs: Sequence[ProcessInfo] = (), newcomer: bool = False) -> RecoverManager:
-    """The manager of one rank of a job: the ULFM world over ``MPI.COMM_WORLD``, the policy from
-    the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
-    rank's faults. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap)."""
+def build_world(job_config, placement, procs: Sequence[ProcessInfo] = (),
+                newcomer: bool = False):
+    """The ULFM world over ``MPI.COMM_WORLD`` (a newcomer's: over its spawn, [Note: rejoin] in
+    collectives/join.py). Built right after the bootstrap, before the model: a death while the
+    trainer builds the model, the data and loads a checkpoint is then an ordinary death found
+    by step 1's collectives, not a failed MPI call of the start-up."""
     from recover_hsdp.collectives import MPI, Deadlines, FaultTolerantWorld
-    from recover_hsdp.config import data_ranks_per_replica, microbatches_per_replica
-    from recover_hsdp.faults import build_injector
-    from recover_hsdp.recovery import BucketSync, local_parameter_checksum
 
-    rc, training = job_config.recover, job_config.training
-    hang = rc.hang_timeout_s
-    out_dir = job_config.job.dump_folder
+    hang = job_config.recover.hang_timeout_s
     run = procs[0] if procs else None  # rank 0's process names the run: claims never mix runs
-    arbiter = (Path(out_dir) / "membership" / f"{run.host}-{run.pid}-{run.start}") if run else None
+    arbiter = (Path(job_config.job.dump_folder) / "membership" / f"{run.host}-{run.pid}-{run.start}"
+               if run else None)
     deadlines = Deadlines(call_s=2 * hang + 30, repair_s=3 * hang + 30, hang_timeout_s=hang,
                           retire_grace_s=min(2.0, hang / 4))
-    if newcomer:  # spawned to replace a lost replica: [Note: rejoin] (collectives/join.py)
+    if newcomer:
         world = FaultTolerantWorld.newcomer(placement.ranks_per_replica, deadlines,
                                             arbiter_dir=arbiter)
         world.assume_rank(placement.world_rank)
-    else:
-        world = FaultTolerantWorld(MPI.COMM_WORLD, placement.ranks_per_replica, deadlines,
-                                   arbiter_dir=arbiter)
+        return world
+    return FaultTolerantWorld(MPI.COMM_WORLD, placement.ranks_per_replica, deadlines,
+                             arbiter_dir=arbiter)
+
+
+def build_injector_for(job_config, placement):
+    """This rank's faults (``[recover.faults]``)."""
+    from recover_hsdp.faults import build_injector
+
+    return build_injector(job_config.recover.faults, placement.replicas, placement.replica,
+                          placement.shard, job_config.job.dump_folder)
+
+
+def build_manager(job_config, placement, model, outputs: RunMetrics, world, faults,
+                  procs: Sequence[ProcessInfo] = ()) -> RecoverManager:
+    """The manager of one rank of a job: its ``world`` (:func:`build_world`), the policy from
+    the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
+    rank's ``faults``. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap)."""
+    from recover_hsdp.config import data_ranks_per_replica, microbatches_per_replica
+    from recover_hsdp.recovery import BucketSync, local_parameter_checksum
+
+    rc, training = job_config.recover, job_config.training
+    out_dir = job_config.job.dump_folder
     tp = job_config.parallelism.tensor_parallel_degree  # [Note: replica layout] (config.py)
     fsdp_degree = data_ranks_per_replica(placement.ranks_per_replica, tp)
     g = microbatches_per_replica(training.local_batch_size, training.global_batch_size,
@@ -45,8 +62,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics,
     manager = RecoverManager(
         world=world, bucket_sync=BucketSync.for_model(model, world, rc.host_snapshots),
         policy=policy,
-        faults=build_injector(rc.faults, placement.replicas, placement.replica, placement.shard,
-                              out_dir),
+        faults=faults,
         outputs=outputs, out_dir=out_dir,
         tokens_per_microbatch=fsdp_degree * training.local_batch_size * training.seq_len,
         counts_data=placement.shard % tp == 0,

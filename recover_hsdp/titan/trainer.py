@@ -32,7 +32,7 @@ from recover_hsdp.collectives.processes import write_registry
 from recover_hsdp.config import validate
 from recover_hsdp.errors import one_line
 from recover_hsdp.faults import Phase
-from recover_hsdp.manager import build_manager
+from recover_hsdp.manager import build_injector_for, build_manager, build_world
 from recover_hsdp.manager.bootstrap import NEWCOMER_ENV, bootstrap_replica, newcomer_placement
 from recover_hsdp.titan.metrics import full_tensors
 from recover_hsdp.titan.sources import SampleLog
@@ -84,10 +84,17 @@ class RecoverTrainer(Trainer):
         self.replica_world = bootstrap_replica(ranks_per_replica,
                                                job_config.comm.init_timeout_seconds,
                                                placement=newcomer)
-        super().__init__(job_config)
-        self.manager = build_manager(job_config, self.replica_world.layout, self.model_parts[0],
-                                     self.metrics_processor.outputs, self.replica_world.procs,
-                                     newcomer=self._joining)
+        # The world exists before the model is built (build_world): a death from here on is an
+        # ordinary death that step 1 finds; building the model, the data and loading a
+        # checkpoint can take longer than the hang timeout, hence the pause.
+        layout = self.replica_world.layout
+        world = build_world(job_config, layout, self.replica_world.procs, newcomer=self._joining)
+        faults = self._faults = build_injector_for(job_config, layout)
+        with world.watchdog_paused():
+            super().__init__(job_config)
+        self.manager = build_manager(job_config, layout, self.model_parts[0],
+                                     self.metrics_processor.outputs, world, faults,
+                                     self.replica_world.procs)
         if self.replica_world.layout.world_rank == 0 and not self._joining:
             write_registry(job_config.job.dump_folder, self.replica_world.procs)  # launcher's
         self.checkpointer = ReplicaCheckpointer(self.checkpointer, self.manager)
@@ -102,6 +109,8 @@ class RecoverTrainer(Trainer):
             backend, store=self.replica_world.store, rank=layout.shard,
             world_size=layout.ranks_per_replica,
             timeout=timedelta(seconds=self.job_config.comm.init_timeout_seconds))
+        if not self._joining:  # the replica's group exists, the model does not yet
+            self._faults.at(0, Phase.STARTUP)
         parallelism = self.job_config.parallelism  # [Note: replica layout] (config.py)
         tp = parallelism.tensor_parallel_degree
         fsdp = layout.ranks_per_replica // tp
