@@ -51,6 +51,18 @@ def _check(out, steps, failure_free, alive_after, wall, bound=150):
     return summary
 
 
+def _check_2x2(out, steps, wall, alive: list[int]):
+    """A 2 x 2 run in which replica 1 left: B every step, the alive counts, one event naming
+    replica 1, nothing left alive. Returns the event."""
+    assert wall < 150, wall
+    assert [s["alive_replicas"] for s in steps] == alive
+    assert all(s["reduced_microbatches"] == 2 for s in steps)
+    (event,) = read_jsonl(out / "events.jsonl")
+    assert event["dead_replicas"] == [1], event
+    assert [p.pid for p in read_registry(out) if p.state() is not None] == []
+    return event
+
+
 def test_frozen_rank_is_declared_dead_and_nothing_is_left_behind(tmp_path, failure_free):
     """Replica 2 SIGSTOPs itself (all threads frozen, sockets open: a hung node) in step 3's
     backward. The heartbeat detector declares it dead within detect_timeout_s, the others
@@ -82,13 +94,8 @@ def test_error_in_one_rank_of_a_2x2_replica_takes_the_replica_out(tmp_path):
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=1,step=2,phase=backward,rank=1,mode=raise"],
                                  extra=["--training.steps", "4"])
-    assert wall < 150, wall
-    assert [s["alive_replicas"] for s in steps] == [2, 1, 1, 1]
-    assert all(s["reduced_microbatches"] == 2 for s in steps)
-    (event,) = read_jsonl(tmp_path / "events.jsonl")
-    assert event["dead_replicas"] == [1] and "rank 3 step 2: RuntimeError: injected fault" in (
-        " ".join(event["errors"]["1"]))
-    assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []
+    event = _check_2x2(tmp_path, steps, wall, [2, 1, 1, 1])
+    assert "rank 3 step 2: RuntimeError: injected fault" in " ".join(event["errors"]["1"])
 
 
 def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
@@ -120,12 +127,7 @@ def test_death_of_one_rank_of_a_2x2_replica_at_start_up(tmp_path):
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=1,step=0,phase=startup,rank=1"],
                                  extra=["--training.steps", "4"])
-    assert wall < 150, wall
-    assert [s["alive_replicas"] for s in steps] == [1, 1, 1, 1]
-    assert all(s["reduced_microbatches"] == 2 for s in steps)
-    (event,) = read_jsonl(tmp_path / "events.jsonl")
-    assert event["dead_replicas"] == [1] and event["step"] == 1, event
-    assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []
+    assert _check_2x2(tmp_path, steps, wall, [1, 1, 1, 1])["step"] == 1
 
 
 def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
@@ -182,8 +184,4 @@ def test_frozen_rank_of_a_2x2_replica(tmp_path):
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=1,step=2,phase=backward,rank=1,mode=stop"],
                                  extra=["--training.steps", "4"])
-    assert [s["alive_replicas"] for s in steps] == [2, 1, 1, 1]
-    assert all(s["reduced_microbatches"] == 2 for s in steps)
-    (event,) = read_jsonl(tmp_path / "events.jsonl")
-    assert event["dead_replicas"] == [1] and event["detect_s"] < 15, event
-    assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []
+    assert _check_2x2(tmp_path, steps, wall, [2, 1, 1, 1])["detect_s"] < 15
