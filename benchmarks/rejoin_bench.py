@@ -16,14 +16,13 @@ Writes benchmarks/results/rejoin.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from _common import CONFIG, REPO, RESULTS, machine
+from _common import CONFIG, REPO, machine, read_jsonl, write_json
 
 
 def one_run(flavor: str, steps: int) -> dict:
@@ -33,8 +32,8 @@ def one_run(flavor: str, steps: int) -> dict:
                    "replica=1,step=6,phase=grad_sync", "--", "--training.steps", str(steps),
                    "--model.flavor", flavor, "--recover.respawn_after_steps", "1"]
         subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=1800)
-        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-        events = [json.loads(line) for line in (Path(out) / "events.jsonl").read_text().splitlines()]
+        rows = read_jsonl(Path(out) / "metrics.jsonl")
+        events = read_jsonl(Path(out) / "events.jsonl")
     join = next(e for e in events if e.get("phase") == "join" and e["ok"])
     joined = join["step"]
 
@@ -69,9 +68,7 @@ def main() -> None:
               f"newcomer ready after {r['median_start_to_ready_s']:.1f}s; tokens/s before "
               f"{r['median_tokens_per_s_before']:.0f}, between {r['median_tokens_per_s_between']:.0f}"
               f", after {r['median_tokens_per_s_after']:.0f}", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "rejoin.json").write_text(json.dumps(
-        {**results, "machine": machine(), "args": vars(args)}, indent=2) + "\n")
+    write_json("rejoin.json", {**results, "machine": machine(), "args": vars(args)})
 
 
 if __name__ == "__main__":

@@ -89,13 +89,13 @@ class RecoverTrainer(Trainer):
         # checkpoint can take longer than the hang timeout, hence the pause.
         layout = self.replica_world.layout
         world = build_world(job_config, layout, self.replica_world.procs, newcomer=self._joining)
-        faults = self._faults = build_injector_for(job_config, layout)
+        self._faults = build_injector_for(job_config, layout)  # phase startup: init_distributed
         with world.watchdog_paused():
             super().__init__(job_config)
         self.manager = build_manager(job_config, layout, self.model_parts[0],
-                                     self.metrics_processor.outputs, world, faults,
+                                     self.metrics_processor.outputs, world, self._faults,
                                      self.replica_world.procs)
-        if self.replica_world.layout.world_rank == 0 and not self._joining:
+        if layout.world_rank == 0 and not self._joining:
             write_registry(job_config.job.dump_folder, self.replica_world.procs)  # launcher's
         self.checkpointer = ReplicaCheckpointer(self.checkpointer, self.manager)
         if job_config.recover.log_samples:

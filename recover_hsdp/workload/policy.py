@@ -363,7 +363,7 @@ class WorkloadPolicy:
         if set(new) & set(self.alive) or any(r < 0 or r >= self.initial_replicas for r in new):
             raise ValueError(f"replicas {list(new)} cannot join: alive {list(self.alive)}, "
                              f"W_init {self.initial_replicas}")
-        read = {self.slot_of(r) for r in self.alive}
+        read = self._slots_read()
         free = [slot for slot in range(self.initial_replicas) if slot not in read]
         self.alive = _sorted_ids((*self.alive, *new))
         if self.data_assignment is DataAssignment.STREAM:
@@ -381,9 +381,13 @@ class WorkloadPolicy:
         where its unread remainder starts."""
         if self.data_assignment is not DataAssignment.STREAM:
             return {}
-        read = {self.slot_of(r) for r in self.alive if r not in set(dead)}
-        known = set(self.cursors) | {self.slot_of(r) for r in self.alive}
-        return {s: self.cursors.get(s, 0) for s in sorted(known - read)}
+        known = set(self.cursors) | self._slots_read()
+        return {s: self.cursors.get(s, 0) for s in sorted(known - self._slots_read(dead))}
+
+    def _slots_read(self, dead: Iterable[int] = ()) -> set[int]:
+        """The stream slots the alive replicas (less ``dead``) read."""
+        dead = set(dead)
+        return {self.slot_of(r) for r in self.alive if r not in dead}
 
     # ---- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict:
