@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from recover_hsdp.workload.policy import StepPlan
+from recover_hsdp.workload.plan import StepPlan
 
 LEDGER_NAME = "ledger.jsonl"
 

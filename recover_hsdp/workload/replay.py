@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from recover_hsdp.workload.policy import Role, StepPlan, WorkloadPolicy
+from recover_hsdp.workload.plan import Role, StepPlan
+from recover_hsdp.workload.policy import WorkloadPolicy
 
 HEADER = ("failure", "victim", "alive W", "promoted", "extra mb", "max extra/replica",
           "G", "majors", "minor (quota)", "spares")
