@@ -29,19 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recover_hsdp.errors import ConfigError
+from recover_hsdp.phases import Phase
 
-
-class Phase(str, enum.Enum):
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    GRAD_SYNC = "grad_sync"
-    CONSENSUS = "consensus"
-    REREDUCE = "rereduce"
-    OPTIMIZER = "optimizer"
-    CHECKPOINT = "checkpoint"  # inside a DCP checkpoint save (the saving replica)
-    FINISH = "finish"          # after the last step, while the writer writes the run's outputs
-    JOIN = "join"              # mid-transfer of a replica rejoin (the donor's or newcomer's ranks)
-    STARTUP = "startup"        # step=0: the replica's process group exists, the model does not
+__all__ = ["ConsensusPoint", "FaultInjector", "FaultSpec", "Mode", "Phase", "build_injector",
+           "paper_schedule"]
 
 
 class Mode(str, enum.Enum):
@@ -121,12 +112,16 @@ def paper_schedule(replicas: int, every: int, max_failures: int, phase: Phase, s
 
 
 class FaultInjector:
-    """Fires this rank's faults at (step, phase[, bucket]) points the trainer reports."""
+    """Fires this rank's faults at the (step, phase[, bucket | point]) the phase hooks announce."""
 
     def __init__(self, specs: list[FaultSpec], replica: int, shard: int, out_dir: str | Path):
         self.mine = [s for s in specs if s.replica == replica and s.rank in (None, shard)]
         self.replica, self.shard = replica, shard
         self.out_dir = Path(out_dir)
+
+    def on_phase(self, step: int, phase: Phase, detail: dict) -> None:
+        """The ``PhaseHooks`` subscriber ([Note: phases as data] in recover_hsdp/phases.py)."""
+        self.at(step, phase, **detail)
 
     def at(self, step: int, phase: Phase, bucket: int | None = None,
            buckets_total: int | None = None, point: ConsensusPoint | None = None) -> None:

@@ -1,7 +1,14 @@
 """The step protocol: ``RecoverManager`` (what the trainer calls) and the process bootstrap.
 
-  manager.py        ``RecoverManager``: [Note: the step protocol] over the three layers
+  manager.py        ``RecoverManager``: [Note: the step protocol] over the three layers and
+                    the parts below (start here)
+  phases.py         ``PhaseHooks``: the step's phases announced once ([Note: phases as data])
+  totals.py         ``StepTotals``: the step's sums across ranks, one all-reduce
+  writer.py         ``WriterDuties``: [Note: the writer]
+  failures.py       ``FailureLog``: [Note: replica-local errors], repair events
+  local_processes.py ``LocalProcesses``: ending excluded processes on this host
   between_steps.py  agreements outside a step: checkpoint gather, [Note: the end of a run]
+  rejoin.py         ``Rejoin``: [Note: rejoin at a boundary]
   build.py          ``build_world`` (before the model), ``build_manager``: one rank's manager
                     wired from the config
   bootstrap.py      process model: MPI rank -> (replica, shard), the replica's torch.distributed

@@ -67,6 +67,6 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
         tokens_per_microbatch=fsdp_degree * training.local_batch_size * training.seq_len,
         counts_data=placement.shard % tp == 0,
         consistency_check_interval=rc.consistency_check_interval,
-        parameter_checksum=lambda: local_parameter_checksum(model), procs=procs)
-    manager.respawn_after_steps = rc.respawn_after_steps
+        parameter_checksum=lambda: local_parameter_checksum(model), procs=procs,
+        respawn_after_steps=rc.respawn_after_steps)
     return manager

@@ -3,28 +3,35 @@
 Like TorchTitan's ``FTManager`` (torchtitan/components/ft/manager.py) this is a component, not a
 trainer: ``RecoverTrainer`` (``recover_hsdp.titan.trainer``) computes microbatches and applies the
 optimizer; the manager decides what to compute, keeps the cross-replica sums consistent and tells
-the trainer when it may update. It holds the three layers and the run's outputs:
+the trainer when it may update. It holds the three layers and its parts, each owning its state:
 
-  world         layer 1, ``recover_hsdp.collectives.FaultTolerantWorld`` (a fake in tests)
-  bucket_sync   layer 2, ``recover_hsdp.recovery.BucketSync`` (FSDP2 all-reduce hook)
-  policy        layer 3, ``recover_hsdp.workload.WorkloadPolicy`` (roles, quotas, G)
-  faults        real failure injection points (``recover_hsdp.faults``)
-  outputs       metrics / events / ledger / writer election (``RunMetrics``, ``LedgerWriter``)
+  world          layer 1, ``recover_hsdp.collectives.FaultTolerantWorld`` (a fake in tests)
+  bucket_sync    layer 2, ``recover_hsdp.recovery.BucketSync`` (FSDP2 all-reduce hook)
+  policy         layer 3, ``recover_hsdp.workload.WorkloadPolicy`` (roles, quotas, G)
+  phases         ``PhaseHooks``: every phase announced once ([Note: phases as data]); the fault
+                 injector, the profiler labels and the phase timer subscribe
+  writer         ``WriterDuties``: who writes the outputs and the ledger ([Note: the writer])
+  failures       ``FailureLog``: [Note: replica-local errors], the record of every repair
+  processes      ``LocalProcesses``: [Note: nothing left behind]
+  between_steps  ``BetweenSteps``: the checkpoint gather, [Note: the end of a run]
+  rejoin         ``Rejoin``: [Note: rejoin at a boundary]
 
-[Note: the step protocol] One step on a surviving rank (docs/DESIGN.md section 3):
+[Note: the step protocol] One step on a surviving rank (docs/DESIGN.md section 3); ``step``
+walks these phases in this order (``recover_hsdp.phases.Phase``, a profile shows each):
   1. plan: the policy maps (step, alive replicas) to this replica's role and microbatch ids;
      it is computed identically everywhere from the agreed membership, so it needs no messages;
   2. compute: forward/backward of each id, FSDP gradient sync on the last one only
      (``StepWork.set_gradient_sync``); a replica-local error fails the epoch;
-  3. sync: during the last backward the all-reduce hook of every FSDP unit snapshots its bucket
-     and sums it across replicas under the current epoch; then (loss, tokens) of the committed
-     microbatches are summed the same way;
+  3. grad_sync: during the last backward the all-reduce hook of every FSDP unit snapshots its
+     bucket and sums it across replicas under the current epoch; then the step's totals
+     (``StepTotals``: loss, tokens, the measured microbatches) are summed the same way;
   4. consensus: every rank agrees the epoch was clean -> commit: the trainer rescales, clips and
      steps the optimizer (``StepWork.apply_update``); ledger line, metrics record;
-  5. otherwise the world shrinks (epoch + 1), ranks of dead replicas retire, the policy re-plans
-     the step (promote a spare, deal extra microbatches), the extras are computed, stale buckets
-     are restored from their snapshots and reduced again, and back to 4. A failure during 5
-     loops again; each loop needs a new death, so it ends.
+  5. otherwise the world shrinks (epoch + 1), ranks of dead replicas retire; repair: the policy
+     re-plans the step (promote a spare, deal extra microbatches) and the extras are computed;
+     rereduce: stale buckets are restored from their snapshots and reduced again, the totals
+     summed again; back to 4. A failure during 5 loops again; each loop needs a new death, so
+     it ends.
 Invariant: every committed step sums exactly B microbatch gradients: the policy asserts it per
 plan, and the step is measured before it commits ([Note: measured microbatches] in
 recovery/buckets.py): the microbatch gradients the buckets really summed and the token positions
@@ -35,25 +42,24 @@ microbatch, or the step is refused; each bucket reduced under one membership
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Protocol, Sequence
 
-import numpy as np
-
 from recover_hsdp.collectives.processes import ProcessInfo
 from recover_hsdp.errors import one_line
-from recover_hsdp.faults import ConsensusPoint, FaultInjector, Phase
+from recover_hsdp.faults import ConsensusPoint, FaultInjector
 from recover_hsdp.manager.between_steps import BetweenSteps
-from recover_hsdp.manager.rejoin import Rejoin
-from recover_hsdp.outputs import RunMetrics, backfill_jsonl
-from recover_hsdp.workload import DataAssignment, DataRef, Role, StepPlan, WorkloadPolicy
-from recover_hsdp.workload.ledger import LedgerWriter, plan_record
+from recover_hsdp.manager.failures import FailureLog
+from recover_hsdp.manager.local_processes import LocalProcesses
+from recover_hsdp.manager.phases import PhaseHooks, PhaseTimer, profiler_labels
+from recover_hsdp.manager.rejoin import JoinWork, Rejoin
+from recover_hsdp.manager.totals import StepTotals
+from recover_hsdp.manager.writer import WriterDuties
+from recover_hsdp.outputs import RunMetrics
+from recover_hsdp.phases import Phase
+from recover_hsdp.workload import DataRef, Role, StepPlan, WorkloadPolicy
 
 
 class StepWork(Protocol):
@@ -66,8 +72,8 @@ class StepWork(Protocol):
                          before_backward: Callable[[], None]) -> tuple[float, int, int]:
         """Forward + backward of the microbatch at ``data`` (a global id, or a position in a
         stream slot), loss divided by ``nominal_tokens``; ``before_backward()`` between the two
-        (a fault-injection point). Returns (that loss as a float, valid label tokens, label
-        positions: tokens of the microbatch on this rank, valid or not)."""
+        (a phase point). Returns (that loss as a float, valid label tokens, label positions:
+        tokens of the microbatch on this rank, valid or not)."""
 
     def apply_update(self, grad_scale: float) -> float:
         """Scale the reduced gradient by ``grad_scale`` (1.0: no-op), clip, optimizer and LR
@@ -78,32 +84,36 @@ class StepWork(Protocol):
 class _StepState:
     """What one step accumulates on this rank while the protocol runs."""
 
+    plan: StepPlan
+    nominal_tokens: int
     stats: dict[int, tuple[float, int, int]] = field(default_factory=dict)  # id -> (loss,
     # valid tokens, token positions) of this rank's part
     extras_done: tuple[int, ...] = ()
     sync_time_s: float = 0.0
+    totals: StepTotals = field(default_factory=StepTotals)
 
 
-class RecoverManager(BetweenSteps, Rejoin):
+class RecoverManager:
     """Drives one ReCoVer step per call to :meth:`step`; see [Note: the step protocol].
 
     Args:
         world: the fault-tolerant world (``FaultTolerantWorld`` or a fake with its interface).
         bucket_sync: the ``BucketSync`` installed on this rank's FSDP model.
         policy: the workload policy (same initial state on every rank).
-        faults: this rank's ``FaultInjector``.
+        faults: this rank's ``FaultInjector`` (subscribed to the phase hooks).
         outputs: ``RunMetrics`` of this rank (writes only while this rank is the writer).
         out_dir: the run's output folder (ledger).
         tokens_per_microbatch: label tokens of one microbatch of one replica (D x batch x seq:
             its FSDP ranks' parts, [Note: replica layout] in config.py).
         consistency_check_interval: every this many steps compare parameter checksums across
             replicas (0: never); ``parameter_checksum`` computes this rank's.
-        procs: every world rank's process (bootstrap), to end excluded ones on this host
-            ([Note: nothing left behind] in ``recover_hsdp.collectives.processes``).
-        die: ends this rank after a replica-local error (default: exit the process at once;
-            tests pass the fake world's kill).
+        procs: every world rank's process (bootstrap), to end excluded ones on this host.
+        die: ends this rank after a replica-local error (default: SIGKILL itself; tests pass
+            the fake world's kill).
         counts_data: this rank's loss and token counts enter the step's totals (False on the
             tensor-parallel peers of an FSDP rank: they computed the same microbatch).
+        respawn_after_steps: ``[recover] respawn_after_steps`` (rejoin; 0: only on request).
+        joins: the join primitives for :class:`Rejoin` (tests: the fake world's).
     """
 
     def __init__(self, *, world, bucket_sync, policy: WorkloadPolicy, faults: FaultInjector,
@@ -111,87 +121,104 @@ class RecoverManager(BetweenSteps, Rejoin):
                  consistency_check_interval: int = 0,
                  parameter_checksum: Callable[[], float] | None = None,
                  procs: Sequence[ProcessInfo] = (), die: Callable[[], None] | None = None,
-                 counts_data: bool = True):
-        self.world = world
-        self.bucket_sync = bucket_sync
-        self.policy = policy
-        self.faults = faults
-        self.outputs = outputs
-        self.out_dir = Path(out_dir)
+                 counts_data: bool = True, respawn_after_steps: int = 0, joins=None):
+        self.world, self.bucket_sync, self.policy = world, bucket_sync, policy
+        self.outputs, self.out_dir = outputs, Path(out_dir)
         self.tokens_per_microbatch = tokens_per_microbatch
         self.consistency_check_interval = consistency_check_interval
         self.parameter_checksum = parameter_checksum
-        self.procs = list(procs)
-        self.die = die or _exit_now
         self.counts_data = counts_data
-        self.replica, self.shard = world.replica, world.shard
-        self._ledger_records: list[dict] = []  # every rank keeps them: a new writer back-fills
-        self.outputs.set_writer(self.is_writer)
-        self.ledger = None
-        if self.is_writer:  # the run's first writer starts the ledger afresh
-            (self.out_dir / "ledger.jsonl").unlink(missing_ok=True)
-            self.ledger = LedgerWriter(self.out_dir)
+        self.phases, self.timer = PhaseHooks(), PhaseTimer()
+        self.phases.subscribe(faults.on_phase)
+        self.phases.open_spans_with(profiler_labels)
+        self.phases.open_spans_with(self.timer)
+        self.writer = WriterDuties(world, outputs, out_dir)
+        self.failures = FailureLog(world, outputs, out_dir, die)
+        self.processes = LocalProcesses(world, procs)
+        self.between_steps = BetweenSteps(world=world, writer=self.writer,
+                                          failures=self.failures, processes=self.processes,
+                                          phases=self.phases)
+        self.rejoin = Rejoin(world=world, writer=self.writer, outputs=outputs,
+                             processes=self.processes, phases=self.phases, out_dir=out_dir,
+                             checksum=parameter_checksum,
+                             respawn_after_steps=respawn_after_steps, joins=joins)
         self.committed_data: list[DataRef] = []  # this replica's data in the last committed step
         self._contract_checked = False
         self._current_step = 0
         self._decided_at = 0.0
-        bucket_sync.on_bucket = self._bucket_fault_point
-        world.on_phase = self._consensus_fault_point  # phase=consensus fires inside it
-        world.on_failed = self._end_failed  # a frozen rank on this host is ended at once
+        bucket_sync.on_bucket = self._bucket_point
+        world.on_phase = self._consensus_point  # the consensus's stages are points of it
+        world.on_failed = self.processes.end_failed  # a frozen rank on this host: ended at once
 
-    # ---------------------------------------------------------------- roles of this rank
+    # ---------------------------------------------------------------- this rank
+
+    @property
+    def replica(self) -> int:
+        return self.world.replica
+
+    @property
+    def shard(self) -> int:
+        return self.world.shard
 
     @property
     def is_writer(self) -> bool:
-        """Rank 0's duties (metrics, events, ledger, summary) belong to shard 0 of the lowest
-        surviving replica."""
-        alive = self.world.alive_replicas
-        return bool(alive) and self.replica == min(alive) and self.shard == 0
+        """[Note: the writer] (manager/writer.py)."""
+        return self.writer.is_writer
 
     @property
     def saves_checkpoints(self) -> bool:
         """DCP checkpoints are written by one replica, the writer's (every rank of it)."""
-        alive = self.world.alive_replicas
-        return bool(alive) and self.replica == min(alive)
+        return self.writer.saves_checkpoints
 
     # ---------------------------------------------------------------- one step
 
     def step(self, step: int, work: StepWork) -> dict[str, Any]:
         """Run [Note: the step protocol] for ``step``; returns the committed step's record."""
-        world, sync = self.world, self.bucket_sync
-        self._current_step = step
-        state = _StepState()
-        plan = self.policy.plan(step - 1, world.alive_replicas)
-        mine = plan.assignment(self.replica)
-        nominal_tokens = plan.global_microbatches * self.tokens_per_microbatch
-        sync.begin_step(contributes=mine.commits_compute)
-        sync_started = self._compute(step, work, mine, mine.compute_ids, nominal_tokens, state)
-        self.faults.at(step, Phase.GRAD_SYNC, bucket=len(sync.buckets),
-                       buckets_total=len(sync.buckets))
-        state.sync_time_s = time.perf_counter() - sync_started
-        totals = self._committed_totals(mine, state)
+        span, self._current_step = self.phases.span, step
+        self.timer.new_step()
+        with span(step, Phase.PLAN):                                     # 1
+            plan = self.policy.plan(step - 1, self.world.alive_replicas)
+            state = _StepState(plan, plan.global_microbatches * self.tokens_per_microbatch)
+        with span(step, Phase.COMPUTE):                                  # 2 (+ 3's buckets)
+            mine = plan.assignment(self.replica)
+            self.bucket_sync.begin_step(contributes=mine.commits_compute)
+            sync_started = self._compute(step, work, mine.compute_ids, state)
+        with span(step, Phase.GRAD_SYNC):                                # 3
+            buckets = len(self.bucket_sync.buckets)
+            self.phases.point(step, Phase.GRAD_SYNC, bucket=buckets, buckets_total=buckets)
+            state.sync_time_s = time.perf_counter() - sync_started
+            self._sum_totals(state)
         while True:
-            if sync.error:
-                self.replica_error(step, sync.error)
-            result = world.consensus(not world.epoch_failed and sync.all_current())
-            self._decided_at = time.time()  # wall clock: benchmarks relate it to a fault's time
-            if result.retire:
-                world.retire(f"step {step}")
+            with span(step, Phase.CONSENSUS):                            # 4
+                result = self._consensus(step)
             if result.clean:
                 break
-            self._end_excluded()
-            plan, mine, totals = self._recover(step, work, plan, result, nominal_tokens, state)
-        return self._commit(step, work, plan, totals, nominal_tokens, state)
+            with span(step, Phase.REPAIR):                               # 5
+                started = time.perf_counter()
+                self._repair(step, work, result, state)
+                extra_s = time.perf_counter() - started
+            with span(step, Phase.REREDUCE):                             # 5
+                rebuilt = self._rereduce(state)
+            self.failures.log_repair(
+                step, result, self.policy, extra_compute_s=extra_s,
+                restore_s=time.perf_counter() - started - extra_s, rebuilt_buckets=rebuilt,
+                extra_microbatches=state.plan.extras_total(),
+                promoted=list(state.plan.promoted()), decided_at=self._decided_at)
+        with span(step, Phase.COMMIT):                                   # 4 -> commit
+            record = self._commit(step, work, state)
+        record["phase_s"] = dict(self.timer.seconds)
+        return record
 
-    def _compute(self, step: int, work: StepWork, mine, ids: Sequence[int],
-                 nominal_tokens: int, state: _StepState) -> float:
+    def _compute(self, step: int, work: StepWork, ids: Sequence[int], state: _StepState) -> float:
         """Forward/backward of ``ids`` (FSDP syncs on the last one). Returns when sync began.
 
         An idle replica computes one microbatch (the next of its stream, not consumed) and
         contributes zeros (its buckets must still reach the collectives). An error raised
         inside the replica (a gloo error because a peer of this replica died, an OOM) ends this
         rank: [Note: replica-local errors]."""
+        mine = state.plan.assignment(self.replica)
         data_ids = [mine.data_ref(i) for i in ids] or [mine.data_ref(mine.stream_start or 0)]
+        point = self.phases.point
         sync_started = time.perf_counter()
         try:
             for index, data_id in enumerate(data_ids):
@@ -199,9 +226,9 @@ class RecoverManager(BetweenSteps, Rejoin):
                 work.set_gradient_sync(last)
                 if last:
                     sync_started = time.perf_counter()
-                self.faults.at(step, Phase.FORWARD)
+                point(step, Phase.FORWARD)
                 measured = work.forward_backward(
-                    data_id, nominal_tokens, lambda: self.faults.at(step, Phase.BACKWARD))
+                    data_id, state.nominal_tokens, lambda: point(step, Phase.BACKWARD))
                 if ids:
                     state.stats[ids[index]] = measured
                 self.world.heartbeat()
@@ -210,142 +237,110 @@ class RecoverManager(BetweenSteps, Rejoin):
         return sync_started
 
     def replica_error(self, step: int, reason: str) -> NoReturn:
-        """[Note: replica-local errors] An error inside a replica (forward, backward, the
-        all-reduce hook, the optimizer; an OOM; a gloo error because a peer of the replica died)
-        is turned into the death of this rank, like the hang watchdog turns a hang into one: a
-        replica lives or dies as a unit, and a death is what every layer already handles. Its
-        peers in the replica see their intra-replica collective fail at once (the kernel closes
-        the dead process's sockets; a live process blocked in gloo/NCCL would hold them), take
-        this path or retire at the consensus, and the other replicas go on as after any death;
-        nothing they wait for is left alive. Before dying the rank writes its reason to
-        ``errors/`` in the output folder (and stderr); the writer puts it in events.jsonl."""
-        record = {"step": step, "replica": self.replica, "shard": self.shard,
-                  "rank": self.world.world_rank, "reason": reason, "time": time.time()}
-        print(f"[recover-hsdp] replica {self.replica} shard {self.shard}: error inside the "
-              f"replica at step {step}, this rank leaves: {reason}", flush=True)
-        try:
-            folder = self.out_dir / "errors"
-            folder.mkdir(parents=True, exist_ok=True)
-            with open(folder / f"rank{self.world.world_rank}.json", "w") as handle:
-                handle.write(json.dumps(record) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-        except OSError:
-            pass  # the reason is on stderr
-        self.die()
-        raise AssertionError("die() returned")
+        """[Note: replica-local errors] (manager/failures.py): this rank leaves."""
+        self.failures.leave(step, reason)
 
-    def _replica_errors(self, replicas) -> dict[str, list[str]]:
-        """Reasons the ranks of ``replicas`` wrote before leaving ([Note: replica-local errors])."""
-        found: dict[str, list[str]] = {}
-        for path in sorted((self.out_dir / "errors").glob("rank*.json")):
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if record["replica"] in replicas:
-                found.setdefault(str(record["replica"]), []).append(
-                    f"rank {record['rank']} step {record['step']}: {record['reason']}")
-        return found
-
-    def _committed_totals(self, mine, state: _StepState) -> np.ndarray:
-        """Global sums of (loss, valid tokens, token positions, microbatch gradients reduced,
-        ranks whose buckets disagree) of the committed microbatches, all measured ([Note: measured
-        microbatches]): every rank adds its buckets' count, so the sum must come to S x B
-        microbatch gradients; one rank per FSDP rank adds its loss and tokens, so the positions
-        must come to B x tokens per microbatch. A failed reduce returns garbage and fails the epoch
-        (recomputed after the repair)."""
-        local = np.zeros(8, np.float64)
+    def _sum_totals(self, state: _StepState) -> None:
+        """``StepTotals`` of the committed microbatches, summed over every rank, all measured
+        ([Note: measured microbatches]): every rank adds its buckets' count, so the sum must
+        come to S x B microbatch gradients; one rank per FSDP rank adds its loss and tokens, so
+        the positions must come to B x tokens per microbatch. A failed reduce returns garbage
+        and fails the epoch (summed again after the repair)."""
+        totals = StepTotals()
+        mine = state.plan.assignment(self.replica)
         for microbatch in mine.committed_ids if self.counts_data else ():
-            local[:3] += state.stats.get(microbatch, (0.0, 0, 0))  # missing: not computed
-        count, agree = self.bucket_sync.reduced_microbatches()
-        local[3:5] = count, not agree
-        local[5:] = self.join_totals()  # ride along: [Note: rejoin at a boundary]
-        self.world.allreduce_global(local)
-        return local
+            totals.add_microbatch(*state.stats.get(microbatch, (0.0, 0, 0)))  # missing: not
+        count, agree = self.bucket_sync.reduced_microbatches()           # computed
+        totals.reduced, totals.disagree = count, float(not agree)
+        totals.join_requests, totals.join_ready, totals.join_failed = self.rejoin.totals()
+        values = totals.to_array()  # rejoin's counts ride along: [Note: rejoin at a boundary]
+        self.world.allreduce_global(values)
+        state.totals = StepTotals.from_array(values)
 
-    def _recover(self, step: int, work: StepWork, plan: StepPlan, result, nominal_tokens: int,
-                 state: _StepState):
-        """Re-plan the step after a shrink; compute new extras; restore + re-reduce buckets.
-        A failed epoch in which nobody died (a transient MPI error) keeps the plan: every
-        bucket is reduced again under the new epoch."""
-        started = time.perf_counter()
+    def _consensus(self, step: int):
+        """Was the epoch clean everywhere? A rank whose replica lost a rank retires."""
+        sync = self.bucket_sync
+        if sync.error:
+            self.replica_error(step, sync.error)
+        result = self.world.consensus(not self.world.epoch_failed and sync.all_current())
+        self._decided_at = time.time()  # wall clock: benchmarks relate it to a fault's time
+        if result.retire:
+            self.world.retire(f"step {step}")
+        if not result.clean:
+            self.processes.end_excluded()
+        return result
+
+    def _repair(self, step: int, work: StepWork, result, state: _StepState) -> None:
+        """Re-plan the step after a shrink and compute the new extras. A failed epoch in which
+        nobody died (a transient MPI error) keeps the plan: every bucket is reduced again."""
         if result.dead_replicas:
-            plan = self.policy.replan(plan, result.dead_replicas)
-        mine = plan.assignment(self.replica)
+            state.plan = self.policy.replan(state.plan, result.dead_replicas)
+        mine = state.plan.assignment(self.replica)
         new_extras = mine.extra_ids[len(state.extras_done):]
-        self._take_over_writer_duties()
+        self.writer.refresh()
         if new_extras:
             self.bucket_sync.begin_extras()
-            self._compute(step, work, mine, new_extras, nominal_tokens, state)
+            self._compute(step, work, new_extras, state)
             work.set_gradient_sync(True)
         state.extras_done = mine.extra_ids
-        extra_s = time.perf_counter() - started
+
+    def _rereduce(self, state: _StepState) -> int:
+        """Restore the stale buckets from their snapshots, reduce them again, sum the totals
+        again. Returns how many buckets were rebuilt."""
+        mine = state.plan.assignment(self.replica)
         rebuilt = self.bucket_sync.rereduce(contributes=mine.commits_compute)
-        totals = self._committed_totals(mine, state)
-        self.outputs.log_event({
-            "step": step, "epoch": result.epoch, "dead_replicas": sorted(result.dead_replicas),
-            "alive_replicas": list(result.alive_replicas), "detect_s": result.detect_s,
-            "repair_s": result.repair_s, "extra_compute_s": extra_s,
-            "restore_s": time.perf_counter() - started - extra_s, "rebuilt_buckets": rebuilt,
-            "extra_microbatches": plan.extras_total(), "promoted": list(plan.promoted()),
-            "repair_rounds": result.rounds, "decided_at": self._decided_at,
-            "errors": self._replica_errors(result.dead_replicas),
-            **self._unread_streams(result.dead_replicas),
-        })
-        return plan, mine, totals
+        self._sum_totals(state)
+        return rebuilt
 
-    def _take_over_writer_duties(self) -> None:
-        """The old writer died: this rank writes from now on, first what it had not written."""
-        if self.ledger is None and self.is_writer:
-            backfill_jsonl(self.out_dir / "ledger.jsonl", self._ledger_records,
-                           lambda r: r["step"])
-            self.ledger = LedgerWriter(self.out_dir)
-        self.outputs.set_writer(self.is_writer)
-
-    def _commit(self, step: int, work: StepWork, plan: StepPlan, totals: np.ndarray,
-                nominal_tokens: int, state: _StepState) -> dict[str, Any]:
-        assert self.bucket_sync.all_current(), "a bucket was reduced under an older epoch"
+    def _commit(self, step: int, work: StepWork, state: _StepState) -> dict[str, Any]:
+        """The epoch was clean: check what was measured, update, record."""
+        plan, totals, sync = state.plan, state.totals, self.bucket_sync
+        assert sync.all_current(), "a bucket was reduced under an older epoch"
         if not self._contract_checked:  # once: [Note: FSDP2 contract] item 3
-            self.bucket_sync.check_contract()
+            sync.check_contract()
             self._contract_checked = True
-        loss_sum, tokens, positions = float(totals[0]), int(totals[1]), int(totals[2])
-        ranks = self.world.layout.ranks_per_replica
-        reduced = totals[3] / ranks
-        if reduced != plan.committed_total() or positions != nominal_tokens or totals[4]:
-            raise RuntimeError(
-                f"step {step}: refusing to commit: the buckets summed {reduced:g} microbatch "
-                f"gradients over {positions} token positions (buckets disagree on "
-                f"{int(totals[4])} ranks), the plan commits B = {plan.committed_total()} over "
-                f"{nominal_tokens} ([Note: measured microbatches])")
+        reduced = self._check_measured(step, state)
+        loss_sum, tokens = totals.loss, int(totals.tokens)
         scale = 1.0
-        if tokens and tokens != nominal_tokens:  # keep the loss normalised by committed tokens
-            scale = nominal_tokens / tokens
+        if tokens and tokens != state.nominal_tokens:  # normalise by the committed tokens
+            scale = state.nominal_tokens / tokens
             loss_sum *= scale
         try:
-            self.faults.at(step, Phase.OPTIMIZER)
+            self.phases.point(step, Phase.OPTIMIZER)
             grad_norm = work.apply_update(scale)
         except Exception as err:  # noqa: BLE001 - committed elsewhere; this replica's state is lost
             self.replica_error(step, "optimizer: " + one_line(err))
         self.policy.commit(plan)
-        self.agree_join_totals(totals[5:])
+        self.rejoin.agree_totals(totals.join_requests, totals.join_ready, totals.join_failed)
         mine = plan.assignment(self.replica)
         self.committed_data = [mine.data_ref(i) for i in sorted(mine.committed_ids)]
-        self._ledger_records.append(plan_record(plan, self.world.epoch))
-        if self.ledger is not None:
-            self.ledger.append(plan, self.world.epoch)
+        self.writer.record_commit(plan, self.world.epoch)
         interval = self.consistency_check_interval
         if interval > 0 and step % interval == 0 and self.parameter_checksum is not None:
             self._check_replicas_identical(step)
         return {
             "step": step, "loss": loss_sum, "grad_norm": float(grad_norm), "tokens": tokens,
             "alive_replicas": len(self.world.alive_replicas),
-            "committed_microbatches": plan.committed_total(), "reduced_microbatches": int(reduced),
+            "committed_microbatches": plan.committed_total(), "reduced_microbatches": reduced,
             "epoch": self.world.epoch,
             "g": plan.g, "roles": {r.value: plan.count(r) for r in Role},
-            "quota": plan.assignment(self.replica).quota, "sync_time_s": state.sync_time_s,
-            "snapshot_bytes_per_rank": self.bucket_sync.snapshot_bytes(),
+            "quota": mine.quota, "sync_time_s": state.sync_time_s,
+            "snapshot_bytes_per_rank": sync.snapshot_bytes(),
         }
+
+    def _check_measured(self, step: int, state: _StepState) -> int:
+        """[Note: measured microbatches]: refuse the step unless the buckets summed B microbatch
+        gradients over B x tokens per microbatch positions. Returns the microbatches summed."""
+        totals, plan = state.totals, state.plan
+        reduced = totals.reduced / self.world.layout.ranks_per_replica
+        if (reduced != plan.committed_total() or int(totals.positions) != state.nominal_tokens
+                or totals.disagree):
+            raise RuntimeError(
+                f"step {step}: refusing to commit: the buckets summed {reduced:g} microbatch "
+                f"gradients over {int(totals.positions)} token positions (buckets disagree on "
+                f"{int(totals.disagree)} ranks), the plan commits B = {plan.committed_total()} "
+                f"over {state.nominal_tokens} ([Note: measured microbatches])")
+        return int(reduced)
 
     def _check_replicas_identical(self, step: int) -> None:
         values = self.world.allgather(self.parameter_checksum())
@@ -353,14 +348,45 @@ class RecoverManager(BetweenSteps, Rejoin):
             raise RuntimeError(f"step {step}: replicas diverged: parameter checksums "
                                f"{values} for shard {self.shard}")
 
-    def _bucket_fault_point(self, index: int, rereduce: bool) -> None:
+    def _bucket_point(self, index: int, rereduce: bool) -> None:
         phase = Phase.REREDUCE if rereduce else Phase.GRAD_SYNC
-        self.faults.at(self._current_step, phase, bucket=index)
+        self.phases.point(self._current_step, phase, bucket=index)
 
-    def _consensus_fault_point(self, name: str) -> None:
-        self.faults.at(self._current_step, Phase.CONSENSUS, point=ConsensusPoint(name))
+    def _consensus_point(self, name: str) -> None:
+        self.phases.point(self._current_step, Phase.CONSENSUS, point=ConsensusPoint(name))
 
-    # ---------------------------------------------------------------- state, end of run
+    # ---------------------------------------------------------------- between steps
+
+    def checkpoint_point(self, step: int) -> None:
+        """Inside a checkpoint save of ``step`` (``phase=checkpoint`` fires here)."""
+        self.phases.point(step, Phase.CHECKPOINT)
+
+    def gather_for_checkpoint(self, local: Any) -> dict[int, Any]:
+        """``BetweenSteps.gather_for_checkpoint`` after the current step."""
+        return self.between_steps.gather_for_checkpoint(local, self._current_step, self.policy)
+
+    def maybe_admit(self, step: int, work: JoinWork) -> None:
+        """Survivors, before ``step``: [Note: rejoin at a boundary]."""
+        self.rejoin.maybe_admit(step, work, self.policy)
+
+    def join_as_newcomer(self, work: JoinWork) -> int:
+        """A spawned rank: join the survivors; returns the step they are about to run."""
+        step, self.policy = self.rejoin.join_as_newcomer(work)
+        return step
+
+    def finish_run(self, write_outputs: Callable[[], None]) -> None:
+        """[Note: the end of a run] (manager/between_steps.py); newcomers still starting are
+        told to exit first."""
+        self.rejoin.abandon(self._current_step)
+        self.between_steps.finish_run(write_outputs, self._current_step, self.policy)
+
+    def close(self) -> None:
+        """Without ``finish_run`` (a run that failed): close the ledger, then the world's last
+        fault-tolerant agreement."""
+        self.writer.close()
+        self.world.finish()
+
+    # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
         """The workload policy (B, G, stream cursors): a restart with fewer replicas keeps B."""
@@ -375,21 +401,3 @@ class RecoverManager(BetweenSteps, Rejoin):
                 "step": self.policy.step, "phase": "restart",
                 "unread_streams": {str(s): cursor for s, cursor in unread.items()},
                 "slots": {str(r): self.policy.slot_of(r) for r in self.policy.alive}})
-
-    def _unread_streams(self, dead) -> dict[str, Any]:
-        """[Note: stream slots] the stream slots of ``dead`` replicas stop at their cursor:
-        the record of what is left unread (stream mode; nothing in exact mode)."""
-        if self.policy.data_assignment is not DataAssignment.STREAM:
-            return {}
-        slots = {self.policy.slot_of(r) for r in dead}
-        unread = self.policy.orphaned_slots(dead)
-        return {"unread_streams": {str(s): unread[s] for s in sorted(slots)}}
-
-
-def _exit_now() -> None:
-    """A replica-local error ends the process ([Note: replica-local errors]) by SIGKILL, no
-    MPI_Finalize: mpirun (PRRTE 3.0) tolerates any number of ranks killed by a signal, but ends
-    the job at the second rank that exits with a non-zero status (measured: survivors orphaned)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)

@@ -30,12 +30,17 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from recover_hsdp.collectives.processes import ProcessInfo
-from recover_hsdp.faults import Phase
+from recover_hsdp.manager.local_processes import LocalProcesses
+from recover_hsdp.manager.phases import PhaseHooks
+from recover_hsdp.manager.writer import WriterDuties
+from recover_hsdp.outputs import RunMetrics
+from recover_hsdp.phases import Phase
+from recover_hsdp.workload import WorkloadPolicy
 
 JOIN_DIR = "join"
 
@@ -62,24 +67,71 @@ def join_requests(out_dir: Path) -> list[Path]:
     return sorted(folder.glob("*.json")) if folder.is_dir() else []
 
 
-class Rejoin:
-    """Mixin of :class:`recover_hsdp.manager.RecoverManager`."""
+class CollectiveJoins:
+    """The join primitives of the collectives layer ([Note: rejoin] in collectives/join.py);
+    in-process tests pass the fake world's instead."""
 
-    respawn_after_steps: int = 0
-    _lost_since: int | None = None
-    _alive_before: int | None = None
-    _pending = None              # collectives.join.PendingJoin while newcomers start
-    _pending_requests: list = []
-    join_requests_seen: int = 0  # agreed in the last committed step's totals
-    _join_ready: bool = False    # every survivor saw the newcomers ready (agreed, ditto)
-    _join_failed: bool = False
+    @staticmethod
+    def spawn(world, command: str, args: list[str], replicas: tuple[int, ...], host=None):
+        from recover_hsdp.collectives.join import spawn
+
+        return spawn(world, command, args, replicas, host=host)
+
+    @staticmethod
+    def parent_channel(world):
+        from recover_hsdp.collectives.join import parent_channel
+
+        return parent_channel(world)
+
+    @staticmethod
+    def offer(*args, **kwargs):
+        from recover_hsdp.collectives.join import JoinOffer
+
+        return JoinOffer(*args, **kwargs)
+
+    @staticmethod
+    def exit_newcomer() -> None:
+        """An aborted join ends the newcomer (exit 0: mpirun must not end the job for it)."""
+        os._exit(0)
+
+
+class Rejoin:
+    """This rank's part in [Note: rejoin at a boundary], as a survivor or as a newcomer.
+
+    Args:
+        world, writer, outputs, processes, phases: the manager's (the world grows; the writer
+            duty may pass to a newcomer; the process table takes the newcomers).
+        out_dir: the run's output folder (``join/requests``).
+        checksum: this rank's parameter checksum (the newcomer checks it against the donor's),
+            or None.
+        respawn_after_steps: ``[recover] respawn_after_steps`` (0: only on request).
+        joins: the join primitives (default: :class:`CollectiveJoins`).
+    """
+
+    def __init__(self, *, world, writer: WriterDuties, outputs: RunMetrics,
+                 processes: LocalProcesses, phases: PhaseHooks, out_dir: str | Path,
+                 checksum: Callable[[], float] | None = None, respawn_after_steps: int = 0,
+                 joins=None):
+        self.world, self.writer, self.outputs = world, writer, outputs
+        self.processes, self.phases, self.out_dir = processes, phases, Path(out_dir)
+        self.checksum = checksum
+        self.respawn_after_steps = respawn_after_steps
+        self.joins = joins if joins is not None else CollectiveJoins()
+        self.requests_seen = 0       # agreed in the last committed step's totals
+        self._lost_since: int | None = None
+        self._alive_before: int | None = None
+        self._pending = None         # a PendingJoin while newcomers start
+        self._pending_requests: list[Path] = []
+        self._record: dict[str, Any] = {}
+        self._ready = False          # every survivor saw the newcomers ready (agreed, ditto)
+        self._failed = False
 
     # ---------------------------------------------------------------- survivors
 
-    def join_totals(self) -> tuple[float, float, float]:
-        """This rank's share of the step's totals reduce: (join requests seen by the writer,
+    def totals(self) -> tuple[float, float, float]:
+        """This rank's share of the step's totals: (join requests seen by the writer,
         newcomers ready as this rank sees them, newcomers failed as this rank sees them)."""
-        requests = len(join_requests(self.out_dir)) if self.is_writer else 0
+        requests = len(join_requests(self.out_dir)) if self.writer.is_writer else 0
         ready = failed = False
         if self._pending is not None:
             ready, failed = self._pending.test()
@@ -88,92 +140,89 @@ class Rejoin:
                 failed = True
         return float(requests), float(ready), float(failed)
 
-    def agree_join_totals(self, totals) -> None:
-        """The committed step's sums of :meth:`join_totals` (identical on every rank)."""
+    def agree_totals(self, requests: float, ready: float, failed: float) -> None:
+        """The committed step's sums of :meth:`totals` (identical on every rank)."""
         ranks = len(self.world.alive_replicas) * self.world.layout.ranks_per_replica
-        self.join_requests_seen = int(totals[0])
-        self._join_ready = self._pending is not None and int(totals[1]) == ranks
-        self._join_failed = self._pending is not None and totals[2] > 0
+        self.requests_seen = int(requests)
+        self._ready = self._pending is not None and int(ready) == ranks
+        self._failed = self._pending is not None and failed > 0
 
-    def maybe_admit(self, step: int, work: JoinWork) -> None:
-        """Survivors, before ``step``: [Note: rejoin at a boundary]. Starts replacements when a
-        join is due, completes a started join once every survivor saw them ready."""
+    def maybe_admit(self, step: int, work: JoinWork, policy: WorkloadPolicy) -> None:
+        """Survivors, before ``step``: start replacements when a join is due, complete a
+        started join once every survivor saw them ready."""
         alive = self.world.alive_replicas
         lost = self._alive_before is not None and len(alive) < self._alive_before
         self._alive_before = len(alive)
         if lost:
             self._lost_since = step
         if self._pending is not None:
-            if lost or self._join_failed:  # a death since: the join's communicator holds it
+            if lost or self._failed:  # a death since: the join's communicator holds it
                 self._give_up(step, "a process died while the newcomers started")
-            elif self._join_ready:
-                self._complete(step, work)
+            elif self._ready:
+                self._complete(step, work, policy)
             return
-        missing = [r for r in range(self.policy.initial_replicas) if r not in alive]
+        missing = [r for r in range(policy.initial_replicas) if r not in alive]
         if not missing:
-            if self.join_requests_seen and self.is_writer:  # nothing to bring back
-                self._finish_request(join_requests(self.out_dir), False)
+            if self.requests_seen and self.writer.is_writer:  # nothing to bring back
+                _finish_requests(join_requests(self.out_dir), False)
             return
         due_respawn = (self.respawn_after_steps > 0 and self._lost_since is not None
                        and step - self._lost_since >= self.respawn_after_steps)
-        if not due_respawn and not self.join_requests_seen:
+        if not due_respawn and not self.requests_seen:
             return
         if not due_respawn:
-            missing = missing[:self.join_requests_seen]
+            missing = missing[:self.requests_seen]
         self._lost_since = step  # the next attempt, if this one fails, N steps later
         self._start(step, work, missing)
 
-    def _start(self, step: int, work: JoinWork, replicas: list[int]) -> None:
-        from recover_hsdp.collectives.join import spawn
-
-        started = time.perf_counter()
-        requests = join_requests(self.out_dir)[:len(replicas)] if self.is_writer else []
-        host = json.loads(requests[0].read_text()).get("host") if requests else None
-        command, args = work.spawn_command(replicas)
-        self._pending = spawn(self.world, command, args, tuple(replicas), host=host or None)
-        self._pending_requests = requests
-        self._join_ready = self._join_failed = False
-        self._join_record = {"phase": "join", "step_started": step, "requested_replicas": replicas,
-                             "spawn_stall_s": time.perf_counter() - started}
-        if self._pending is None:
-            self._finish_request(requests, False)
-
-    def abandon_join(self, step: int) -> None:
+    def abandon(self, step: int) -> None:
         """The run ends with newcomers still starting: they are told to exit."""
         if self._pending is not None:
             self._give_up(step, "the run ended before the newcomers were ready")
 
+    def _start(self, step: int, work: JoinWork, replicas: list[int]) -> None:
+        started = time.perf_counter()
+        requests = join_requests(self.out_dir)[:len(replicas)] if self.writer.is_writer else []
+        host = json.loads(requests[0].read_text()).get("host") if requests else None
+        command, args = work.spawn_command(replicas)
+        self._pending = self.joins.spawn(self.world, command, args, tuple(replicas),
+                                         host=host or None)
+        self._pending_requests = requests
+        self._ready = self._failed = False
+        self._record = {"phase": "join", "step_started": step, "requested_replicas": replicas,
+                        "spawn_stall_s": time.perf_counter() - started}
+        if self._pending is None:
+            _finish_requests(requests, False)
+
     def _give_up(self, step: int, reason: str) -> None:
         self._pending.abort()
         self._pending = None
-        self._finish_request(self._pending_requests, False)
-        self._log_join({**self._join_record, "step": step, "ok": False, "reason": reason,
-                        "joined_replicas": [], "epoch": self.world.epoch,
-                        "alive_replicas": list(self.world.alive_replicas), "join_stall_s": 0.0})
+        _finish_requests(self._pending_requests, False)
+        self._log({**self._record, "step": step, "ok": False, "reason": reason,
+                   "joined_replicas": [], "epoch": self.world.epoch,
+                   "alive_replicas": list(self.world.alive_replicas), "join_stall_s": 0.0})
 
-    def _complete(self, step: int, work: JoinWork) -> None:
-        from recover_hsdp.collectives.join import JoinOffer
-
+    def _complete(self, step: int, work: JoinWork, policy: WorkloadPolicy) -> None:
+        """Stages 2-4 on a survivor: merge, offer, state (the donor), agree, grow."""
         world, pending = self.world, self._pending
         self._pending = None
         started = time.perf_counter()
         replicas = list(pending.replicas)
-        record = {**self._join_record, "step": step, "joined_replicas": [],
+        record = {**self._record, "step": step, "joined_replicas": [],
                   "start_to_ready_s": (pending.ready_at or time.monotonic()) - pending.started,
                   "epoch_before": world.epoch}
         channel = pending.merge()
         ok = channel is not None
         if ok:
             donor = min(world.alive_replicas)
-            offer = JoinOffer(world.epoch, world.alive_replicas, tuple(replicas),
-                              world.layout.ranks_per_replica, world.layout.num_replicas, donor,
-                              payload={"step": step, "arbiter": world.arbiter_dir,
-                                       "step_started": record["step_started"]})
+            offer = self.joins.offer(
+                world.epoch, world.alive_replicas, tuple(replicas),
+                world.layout.ranks_per_replica, world.layout.num_replicas, donor,
+                payload={"step": step, "arbiter": world.arbiter_dir,
+                         "step_started": record["step_started"]})
             ok = channel.exchange(offer, world.world_rank, ProcessInfo.current()) is not None
-            moved, transfer_s = 0, 0.0
-            if ok and self.replica == donor:
-                moved, transfer_s, ok = self._send_state(channel, work, replicas,
-                                                         record["step_started"])
+            if ok and world.replica == donor:
+                moved, transfer_s, ok = self._send_state(channel, work, replicas, policy)
                 record.update(bytes_per_donor_rank=moved, transfer_s=transfer_s,
                               transfer_mb_per_s=moved / 1e6 / transfer_s if transfer_s else None)
             ok = channel.agree(ok)
@@ -185,67 +234,47 @@ class Rejoin:
                 channel.abort()
         if ok:
             record["joined_replicas"] = replicas
-        self._finish_request(self._pending_requests, ok)
+        _finish_requests(self._pending_requests, ok)
         record.update(ok=ok, epoch=world.epoch, alive_replicas=list(world.alive_replicas),
                       join_stall_s=time.perf_counter() - started)
-        self._log_join(record)  # by the writer before the join, which may hand its duty over
+        self._log(record)  # by the writer before the join, which may hand its duty over
         if ok:
-            self._joined(channel, replicas)
+            self._joined(channel, replicas, policy)
 
-    def _send_state(self, channel, work: JoinWork, replicas, step_started: int):
+    def _send_state(self, channel, work: JoinWork, replicas, policy: WorkloadPolicy):
         started = time.perf_counter()
-        meta = self._join_meta(work)
+        meta = {"work": work.join_meta(), "policy": policy.state_dict(),
+                "ledger": self.writer.ledger_records, "steps": self.outputs.steps,
+                "events": self.outputs.events, "procs": self.processes.table,
+                "checksum": self._checksum()}
         buffers = work.join_tensors()
         flat = np.concatenate([b.reshape(-1).view(np.uint8) for b in buffers]) if buffers \
             else np.zeros(0, np.uint8)
         ok = True
         s = self.world.layout.ranks_per_replica
         for r in replicas:
-            peer = r * s + self.shard
+            peer = r * s + self.world.shard
             ok = ok and channel.send(meta, peer)
             # phase=join, step=N: mid-transfer of the join started before step N (tests)
-            self.faults.at(step_started, Phase.JOIN)
+            self.phases.point(self._record["step_started"], Phase.JOIN)
             ok = ok and channel.send_bytes(flat, peer)
         return int(flat.size), time.perf_counter() - started, ok
 
-    def _join_meta(self, work: JoinWork) -> dict[str, Any]:
-        return {"work": work.join_meta(), "policy": self.policy.state_dict(),
-                "ledger": self._ledger_records, "steps": self.outputs.steps,
-                "events": self.outputs.events, "procs": self.procs, "checksum": self._checksum()}
-
     def _checksum(self) -> float | None:
-        return None if self.parameter_checksum is None else self.parameter_checksum()
+        return None if self.checksum is None else self.checksum()
 
-    def _joined(self, channel, replicas) -> None:
-        """After the world grew: the processes table and the policy take the newcomers."""
-        for world_rank, process in zip(channel.ranks, channel.processes):
-            while len(self.procs) <= world_rank:
-                self.procs.append(process)
-            self.procs[world_rank] = process
-        self.policy.admit(replicas)
+    def _joined(self, channel, replicas, policy: WorkloadPolicy) -> None:
+        """After the world grew: the process table, the policy and the writer duty take the
+        newcomers."""
+        self.processes.place(channel.ranks, channel.processes)
+        policy.admit(replicas)
         self._alive_before = len(self.world.alive_replicas)
-        if not self.is_writer and self.ledger is not None:  # a newcomer took the lowest id
-            self.ledger.close()
-            self.ledger = None
-        self.outputs.set_writer(self.is_writer)
-        self._take_over_writer_duties()
-        if self.is_writer:
-            from recover_hsdp.collectives.processes import write_registry
+        self.writer.refresh()
+        if self.writer.is_writer:
+            self.processes.write_registry(self.out_dir)
+            _forget_errors(self.out_dir, channel.ranks)
 
-            write_registry(self.out_dir, self.procs)
-            for world_rank in channel.ranks:  # an earlier life's error record is not theirs
-                (self.out_dir / "errors" / f"rank{world_rank}.json").unlink(missing_ok=True)
-
-    def _finish_request(self, requests: list[Path], ok: bool) -> None:
-        for path in requests:
-            done = path.parent.parent / ("done" if ok else "failed")
-            done.mkdir(parents=True, exist_ok=True)
-            try:
-                os.replace(path, done / path.name)
-            except OSError:
-                pass
-
-    def _log_join(self, record: dict[str, Any]) -> None:
+    def _log(self, record: dict[str, Any]) -> None:
         self.outputs.log_event(record)
         outcome = (f"replicas {record['joined_replicas']} joined" if record["ok"]
                    else f"aborted ({record.get('reason', 'a process died during it')})")
@@ -255,62 +284,79 @@ class Rejoin:
 
     # ---------------------------------------------------------------- newcomers
 
-    def join_as_newcomer(self, work: JoinWork) -> int:
+    def join_as_newcomer(self, work: JoinWork) -> tuple[int, WorkloadPolicy]:
         """A spawned rank: stages 1-4 from the other side. Returns the step the survivors are
-        about to run; exits the process when the join is aborted."""
-        from recover_hsdp.collectives.join import parent_channel
-
+        about to run and the policy they run it with; exits the process when the join is
+        aborted."""
         world = self.world
         started = time.perf_counter()
-        channel = parent_channel(world)
-        me = world.world_rank
+        channel = self.joins.parent_channel(world)
         offer = channel.exchange(None, None, ProcessInfo.current()) if channel else None
-        ok = offer is not None
-        if ok:
-            assert channel.ranks[channel.merged.Get_rank()] == me, "join offer: wrong replica id"
-            world.layout = type(world.layout)(offer.ranks_per_replica, offer.num_replicas,
-                                              offer.alive_replicas)
-            world.arbiter_dir = offer.payload.get("arbiter")
-            donor_rank = offer.donor * offer.ranks_per_replica + self.shard
-            meta = channel.recv(donor_rank)
-            self.faults.at(offer.payload["step_started"], Phase.JOIN)  # dies mid-transfer
-            ok = meta is not None
-            if ok:
-                buffers = work.join_tensors()
-                flat = channel.recv_bytes(donor_rank)
-                ok = flat is not None and flat.size == sum(b.nbytes for b in buffers)
-            if ok:
-                lo = 0
-                for buffer in buffers:
-                    view = buffer.reshape(-1).view(np.uint8)
-                    view[:] = flat[lo:lo + view.size]
-                    lo += view.size
-                work.load_join_meta(meta["work"])
-                ok = self._checksum() == meta["checksum"]
-                if not ok:
-                    print(f"[recover-hsdp] newcomer rank {me}: parameters differ from the "
-                          "donor's after the transfer", flush=True)
-        ok = channel is not None and channel.agree(ok)
+        meta = self._receive_state(channel, offer, work) if offer is not None else None
+        ok = channel is not None and channel.agree(meta is not None)
         if ok:
             ok = world.grow(channel.merged, channel.ranks,
                             tuple(offer.alive_replicas) + tuple(offer.new_replicas),
                             offer.num_replicas, offer.epoch)
         if not ok:
-            print(f"[recover-hsdp] newcomer rank {me}: join aborted; exiting", flush=True)
+            print(f"[recover-hsdp] newcomer rank {world.world_rank}: join aborted; exiting",
+                  flush=True)
             world.close()
-            os._exit(0)
-        from recover_hsdp.workload import WorkloadPolicy
-
-        self.policy = WorkloadPolicy.from_state_dict(meta["policy"])
-        self._ledger_records = list(meta["ledger"])
-        self.procs = list(meta["procs"])
+            self.joins.exit_newcomer()
+        policy = WorkloadPolicy.from_state_dict(meta["policy"])
+        self.writer.ledger_records[:] = meta["ledger"]
+        self.processes.table[:] = meta["procs"]
         self.outputs.steps, self.outputs.events = list(meta["steps"]), list(meta["events"])
-        self.replica, self.shard = world.replica, world.shard
         self.outputs.events.append({  # the survivors' record of this join has the same key
             "phase": "join", "step": int(offer.payload["step"]), "epoch": world.epoch,
             "ok": True, "joined_replicas": list(offer.new_replicas),
             "alive_replicas": list(world.alive_replicas)})
-        self._joined(channel, list(offer.new_replicas))
-        print(f"[recover-hsdp] newcomer rank {me} (replica {self.replica}): joined at step "
-              f"{offer.payload['step']} in {time.perf_counter() - started:.2f}s", flush=True)
-        return int(offer.payload["step"])
+        self._joined(channel, list(offer.new_replicas), policy)
+        print(f"[recover-hsdp] newcomer rank {world.world_rank} (replica {world.replica}): "
+              f"joined at step {offer.payload['step']} in {time.perf_counter() - started:.2f}s",
+              flush=True)
+        return int(offer.payload["step"]), policy
+
+    def _receive_state(self, channel, offer, work: JoinWork) -> dict[str, Any] | None:
+        """The donor's state into this rank's tensors; None if it did not arrive whole or the
+        parameters differ from the donor's."""
+        world = self.world
+        assert channel.ranks[channel.merged.Get_rank()] == world.world_rank, \
+            "join offer: wrong replica id"
+        world.adopt(offer)
+        donor_rank = offer.donor * offer.ranks_per_replica + world.shard
+        meta = channel.recv(donor_rank)
+        self.phases.point(offer.payload["step_started"], Phase.JOIN)  # dies mid-transfer
+        if meta is None:
+            return None
+        buffers = work.join_tensors()
+        flat = channel.recv_bytes(donor_rank)
+        if flat is None or flat.size != sum(b.nbytes for b in buffers):
+            return None
+        lo = 0
+        for buffer in buffers:
+            view = buffer.reshape(-1).view(np.uint8)
+            view[:] = flat[lo:lo + view.size]
+            lo += view.size
+        work.load_join_meta(meta["work"])
+        if self._checksum() != meta["checksum"]:
+            print(f"[recover-hsdp] newcomer rank {world.world_rank}: parameters differ from the "
+                  "donor's after the transfer", flush=True)
+            return None
+        return meta
+
+
+def _finish_requests(requests: list[Path], ok: bool) -> None:
+    for path in requests:
+        done = path.parent.parent / ("done" if ok else "failed")
+        done.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(path, done / path.name)
+        except OSError:
+            pass
+
+
+def _forget_errors(out_dir: Path, world_ranks) -> None:
+    """Joined newcomers: an earlier life's error record is not theirs."""
+    for world_rank in world_ranks:
+        (out_dir / "errors" / f"rank{world_rank}.json").unlink(missing_ok=True)

@@ -63,7 +63,7 @@ class ReplicaCheckpointer:
         if self._manager.saves_checkpoints:
             with self._manager.world.watchdog_paused():
                 # phase=checkpoint: in the save call of that step (choose a step a save is due)
-                self._manager.faults.at(curr_step, Phase.CHECKPOINT)
+                self._manager.checkpoint_point(curr_step)
                 self._inner.save(curr_step, last_step=last_step)
 
     def __getattr__(self, name):
