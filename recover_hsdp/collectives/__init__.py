@@ -3,16 +3,22 @@
 Imports mpi4py, numpy and the standard library only (no torch, no torchtitan: the layers contract
 in pyproject.toml). Modules:
 
-  world.py       ``FaultTolerantWorld``: guarded all-reduce, consensus (agree, revoke, shrink,
-                 rebuild), world epoch, retire, finish
+  world.py       ``FaultTolerantWorld``: communicators, layout, epoch, guarded collectives,
+                 consensus, retire, finish
+  repair.py      the repair after a failed consensus: shrink, claim, rebuild, agree, commit
+  arbiter.py     ``SplitBrainArbiter``: which side of a partition goes on (a file; stdlib only)
+  growth.py      the world's growth at a rejoin (stage 4 of [Note: rejoin])
+  join.py        the rejoin's spawn, merge, offer and state channel ([Note: rejoin])
+  mpi.py         the one ``mpi4py.MPI`` import, after [Note: serialized, no finalize]
   guard.py       per-call deadlines and the hang watchdog (``Deadlines``, ``MpiGuard``)
-  membership.py  ``ReplicaLayout`` and ``ConsensusResult`` (plain data, no MPI)
+  membership.py  ``ReplicaLayout``, ``ConsensusResult``, ``JoinOffer`` (plain data, no MPI)
   mpirun.py      the measured-safe ``mpirun --with-ft ulfm`` line and the ULFM check
+  processes.py   which process is which rank; ending the ones the world excluded
 
-Importing this package does not initialise MPI: ``world`` (and with it ``mpi4py.MPI``, after the
-``mpi4py.rc`` settings of [Note: serialized, no finalize]) is imported on first use of
-``MPI``, ``FaultTolerantWorld`` or ``Deadlines`` from here, so the launcher can use ``mpirun``
-without becoming an MPI process.
+Importing this package does not initialise MPI: ``mpi`` (``mpi4py.MPI``, after the ``mpi4py.rc``
+settings of [Note: serialized, no finalize]) is imported on first use of ``MPI`` or
+``FaultTolerantWorld`` from here, so the launcher can use ``mpirun`` without becoming an MPI
+process.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {"MPI": "world", "FaultTolerantWorld": "world", "CHUNK_BYTES": "world",
+_LAZY = {"MPI": "mpi", "FaultTolerantWorld": "world", "CHUNK_BYTES": "world",
          "Deadlines": "guard", "MpiGuard": "guard",
          "ConsensusResult": "membership", "ReplicaLayout": "membership"}
 

@@ -14,8 +14,8 @@ communicators untouched, so a failure there aborts the join and nothing else:
      communicator (:meth:`JoinChannel.send` / :meth:`JoinChannel.recv`, chunked, guarded) and
      checks it; then a fault-tolerant agreement on the merged communicator: all ok or the
      join is aborted (survivors go on with their old world; the newcomers exit);
-  4. grow: ``FaultTolerantWorld.grow`` makes the merged communicator the global one, builds the
-     shard communicators and bumps the epoch, under one more agreement.
+  4. grow: ``FaultTolerantWorld.grow`` (``growth.py``) makes the merged communicator the global
+     one, builds the shard communicators and bumps the epoch, under one more agreement.
 
 A death of the donor, of a survivor or of a newcomer during 1-3 makes the agreement fail
 uniformly (ULFM's agreement tolerates failed participants). A survivor's death also surfaces,
@@ -30,26 +30,16 @@ from __future__ import annotations
 
 import pickle
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from recover_hsdp.collectives.guard import log_line
-from recover_hsdp.collectives.world import CHUNK_BYTES, MPI, FaultTolerantWorld
+from recover_hsdp.collectives.membership import JoinOffer
+from recover_hsdp.collectives.mpi import MPI
+from recover_hsdp.collectives.world import CHUNK_BYTES, FaultTolerantWorld
 
-
-@dataclass
-class JoinOffer:
-    """What the survivors tell the newcomers (stage 2)."""
-
-    epoch: int
-    alive_replicas: tuple[int, ...]
-    new_replicas: tuple[int, ...]
-    ranks_per_replica: int
-    num_replicas: int
-    donor: int  # the replica whose ranks send the state
-    payload: dict[str, Any] = field(default_factory=dict)
+__all__ = ["JoinChannel", "JoinOffer", "PendingJoin", "parent_channel", "spawn"]
 
 
 class JoinChannel:

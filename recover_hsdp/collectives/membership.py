@@ -1,12 +1,14 @@
-"""Replica membership as the fault-tolerant collectives see it: the layout and a consensus outcome.
+"""Replica membership as the fault-tolerant collectives see it: the layout, a consensus outcome and
+the join offer that brings replicas back.
 
-Plain frozen dataclasses with no MPI import, so the layers above (workload policy, trainer, metrics)
+Plain dataclasses with no MPI import, so the layers above (workload policy, trainer, metrics)
 can use them without MPI; ``recover_hsdp.collectives`` produces them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,3 +66,17 @@ class ConsensusResult:
     detect_s: float = 0.0
     repair_s: float = 0.0
     rounds: int = 0
+
+
+@dataclasses.dataclass
+class JoinOffer:
+    """What the survivors tell the newcomers (stage 2 of [Note: rejoin] in join.py); a newcomer's
+    world takes its layout and arbiter folder from it (``FaultTolerantWorld.adopt``)."""
+
+    epoch: int
+    alive_replicas: tuple[int, ...]
+    new_replicas: tuple[int, ...]
+    ranks_per_replica: int
+    num_replicas: int
+    donor: int  # the replica whose ranks send the state
+    payload: dict[str, Any] = dataclasses.field(default_factory=dict)  # "arbiter": the folder

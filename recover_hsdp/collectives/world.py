@@ -16,7 +16,11 @@ returns False; later guarded calls of the same epoch return False at once. The c
 
 Buffers are host numpy arrays (C-contiguous float32/float64/int32/int64), reduced in place (SUM) in
 chunks of <= 4 MB ([Note: chunked reduces]). GPU tensors are staged through host memory by the
-recovery layer, not here. Import this module before anything imports ``mpi4py.MPI`` (it sets mpi4py.rc).
+recovery layer, not here. Import this module before anything imports ``mpi4py.MPI`` (it sets mpi4py.rc,
+in ``mpi.py``).
+
+The consensus's repair (shrink, claim, rebuild, agree, commit) is in ``repair.py``, the split-brain
+arbiter it asks in ``arbiter.py``, and the growth at a rejoin in ``growth.py``.
 
 Usage (one step; ``world.finish()`` once at the end of the job):
     ok = world.allreduce(grad_bucket) and world.allreduce_global(token_counts)
@@ -27,49 +31,27 @@ Usage (one step; ``world.finish()`` once at the end of the job):
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-import mpi4py
+import numpy as np
 
-if "mpi4py.MPI" not in sys.modules:
-    # [Note: serialized, no finalize] On this stack both btl/tcp self-deadlocks after a death need
-    # THREAD_MULTIPLE (mpi4py's default); MPI_Finalize after a failure hangs in its PMIx fence. So:
-    # one MPI thread, and processes exit without MPI_Finalize (mpirun still returns 0).
-    mpi4py.rc.thread_level = "serialized"
-    mpi4py.rc.finalize = False
-from mpi4py import MPI  # noqa: E402
-import numpy as np  # noqa: E402
+from recover_hsdp.collectives import growth
+from recover_hsdp.collectives.guard import Deadlines, MpiGuard, die, log_line
+from recover_hsdp.collectives.membership import ConsensusResult, JoinOffer, ReplicaLayout
+from recover_hsdp.collectives.mpi import MPI, buffer_type, errname, finalize_disabled
+from recover_hsdp.collectives.repair import repair
 
-from recover_hsdp.collectives.membership import ConsensusResult, ReplicaLayout  # noqa: E402
-from recover_hsdp.collectives.guard import Deadlines, MpiGuard, die, log_line  # noqa: E402
-
-__all__ = ["CHUNK_BYTES", "ConsensusResult", "Deadlines", "FaultTolerantWorld", "ReplicaLayout"]
+__all__ = ["CHUNK_BYTES", "MPI", "ConsensusResult", "Deadlines", "FaultTolerantWorld",
+           "ReplicaLayout"]
 
 # [Note: chunked reduces] An Open MPI use-after-free on a failed collective's temporary buffer crashed
 # survivors later in Shrink (2/80 unchunked 64 MB runs, 0/260 with <= 4 MB chunks); chunking is also
 # faster on btl/tcp here. Keep every single MPI reduce at or below this size.
 CHUNK_BYTES = 4 << 20
-
-_MPI_TYPES = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
-              np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T}
-
-
-def _mpi_type(buf: np.ndarray) -> MPI.Datatype:
-    if not isinstance(buf, np.ndarray):
-        raise TypeError(f"expected a numpy host buffer, got {type(buf).__name__} (stage GPU tensors "
-                        "through host memory first)")
-    if not (buf.flags.c_contiguous and buf.flags.writeable):
-        raise ValueError("the buffer must be C-contiguous and writeable (it is reduced in place)")
-    try:
-        return _MPI_TYPES[buf.dtype]
-    except KeyError:
-        raise TypeError(f"unsupported dtype {buf.dtype}; use one of "
-                        f"{sorted(str(d) for d in _MPI_TYPES)}") from None
 
 
 class FaultTolerantWorld:
@@ -104,26 +86,39 @@ class FaultTolerantWorld:
         if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
             raise RuntimeError("MPI was initialised with THREAD_MULTIPLE: import recover_hsdp.collectives "
                                "before mpi4py.MPI (or set mpi4py.rc.thread_level = 'serialized')")
-        self.deadlines = deadlines if deadlines is not None else Deadlines()
-        self.arbiter_dir = None if arbiter_dir is None else os.fspath(arbiter_dir)
-        self.claim_delay_s = 10.0  # a minority side's head start for the majority (< repair_s)
-        self.on_phase = on_phase  # public: the manager installs its fault points here
-        # public: on_failed(world ranks) when a guarded call fails with ranks known failed
-        self.on_failed: Callable[[list[int]], None] | None = None
-        self.world_rank = comm.Get_rank()
+        world_rank = comm.Get_rank()
+        self._setup(ranks_per_replica, deadlines, arbiter_dir, on_phase, f"world rank {world_rank}")
+        self.world_rank = world_rank
         self.replica, self.shard = divmod(self.world_rank, ranks_per_replica)
-        self._guard = MpiGuard(self.deadlines, name=f"world rank {self.world_rank}")
-        if mpi4py.rc.finalize is not False:
+        if not finalize_disabled():
             log_line("warning: mpi4py.rc.finalize is not False (mpi4py.MPI was imported before "
                      "recover_hsdp.collectives); MPI_Finalize at exit can hang after a failure")
         with self._guard.call("Dup", self.deadlines.repair_s):
             self._global = comm.Dup()
         self._global.Set_errhandler(MPI.ERRORS_RETURN)
         self._base_group = self._global.Get_group()
-        self._logical: list[int] | None = None  # base-group rank -> original world rank (rejoin)
         self._shard = self._split(self._global, self.shard, self.replica)
         self.layout = ReplicaLayout(ranks_per_replica, size // ranks_per_replica,
                                     tuple(range(size // ranks_per_replica)))
+
+    def _setup(self, ranks_per_replica: int, deadlines: Deadlines | None,
+               arbiter_dir: str | os.PathLike | None, on_phase: Callable[[str], None] | None,
+               name: str) -> None:
+        """The state of a world before it has communicators (a newcomer's until :meth:`grow`):
+        no rank, no replicas alive, epoch 0. ``__init__`` then brings it up over its ``comm``."""
+        self.deadlines = deadlines if deadlines is not None else Deadlines()
+        self.arbiter_dir = None if arbiter_dir is None else os.fspath(arbiter_dir)
+        self.claim_delay_s = 10.0  # a minority side's head start for the majority (< repair_s)
+        self.on_phase = on_phase  # public: the manager installs its fault points here
+        # public: on_failed(world ranks) when a guarded call fails with ranks known failed
+        self.on_failed: Callable[[list[int]], None] | None = None
+        self.world_rank, self.replica, self.shard = -1, -1, -1
+        self._guard = MpiGuard(self.deadlines, name=name)
+        self._global: MPI.Comm | None = None
+        self._shard: MPI.Comm | None = None
+        self._base_group: MPI.Group | None = None
+        self._logical: list[int] | None = None  # base-group rank -> original world rank (rejoin)
+        self.layout = ReplicaLayout(ranks_per_replica, 0, ())
         self.epoch = 0
         self.retired = False
         self._failed_at: float | None = None  # monotonic start of this epoch's first failed call
@@ -195,7 +190,7 @@ class FaultTolerantWorld:
         self._revoke(self._global, self._shard)
 
     def _allreduce(self, comm: MPI.Comm, buf: np.ndarray, which: str) -> bool:
-        mpitype = _mpi_type(buf)
+        mpitype = buffer_type(buf)
         flat = buf.reshape(-1)  # a view: buf is C-contiguous
         step = max(1, CHUNK_BYTES // buf.itemsize)
         return all(self._guarded(f"Allreduce({which})", lambda lo=lo: comm.Allreduce(
@@ -238,7 +233,7 @@ class FaultTolerantWorld:
         except MPI.Exception as e:
             self._failed_at = started
             log_line(f"rank {self.world_rank} epoch {self.epoch}: {name} failed with "
-                     f"{_errname(e)}; revoking all communicators")
+                     f"{errname(e)}; revoking all communicators")
             self._report_failed(comm)
             # [Note: revoke everything] Revoking only the global communicator HANGS a rank blocked in
             # a shard-communicator collective whose members are all alive: revoke every communicator.
@@ -265,116 +260,7 @@ class FaultTolerantWorld:
             return ConsensusResult(True, self.epoch, frozenset(), self.layout.alive_replicas, False)
         decided = time.monotonic()
         detect_s = decided - (self._failed_at if self._failed_at is not None else started)
-        return self._repair(decided, detect_s)
-
-    def _repair(self, decided: float, detect_s: float) -> ConsensusResult:
-        self._revoke(self._global, self._shard)
-        self._graveyard += [self._global, self._shard]
-        old_alive = self.layout.alive_replicas
-        base = self._global
-        max_rounds = self.deadlines.max_repair_rounds or base.Get_size() + 2
-        for rnd in range(1, max_rounds + 1):
-            self._phase("shrink")
-            try:
-                with self._guard.call("Shrink", self.deadlines.repair_s):
-                    shrunk = base.Shrink()
-            except MPI.Exception as e:
-                log_line(f"rank {self.world_rank}: Shrink raised {_errname(e)} (round {rnd}); retrying")
-                continue
-            shrunk.Set_errhandler(MPI.ERRORS_RETURN)
-            self._graveyard.append(shrunk)
-            members = set(self._members(shrunk))
-            complete = tuple(r for r in old_alive if members.issuperset(self.layout.ranks_of(r)))
-            self._phase("rebuild")
-            new_global = new_shard = None
-            built = True
-            try:
-                # Whether this side holds the arbiter's claim ([Note: split brain]; its first rank
-                # made it): one small broadcast.
-                claim = self._claim(members, old_alive) if shrunk.Get_rank() == 0 else None
-                with self._guard.call("bcast(claim)", self.deadlines.repair_s):
-                    claim = shrunk.bcast(claim, root=0)
-                if not claim:
-                    log_line(f"rank {self.world_rank}: another side of a partition holds the claim "
-                             f"for epoch {self.epoch}: this side ({sorted(members)}) stops")
-                    complete = ()
-                mine = self.replica in complete
-                # Both Splits are collectives over `shrunk`, so one revoke of `shrunk` releases every
-                # rank still inside them when any rank fails here.
-                new_global = self._split(shrunk, 0 if mine else MPI.UNDEFINED, self.world_rank)
-                new_shard = self._split(shrunk, self.shard if mine else MPI.UNDEFINED, self.replica)
-            except MPI.Exception as e:
-                log_line(f"rank {self.world_rank}: rebuild failed with {_errname(e)} (round {rnd})")
-                built = False
-                self._revoke(shrunk)
-            self._phase("agree-membership")
-            if self._agree(shrunk, built):
-                return self._commit(old_alive, complete, new_global, new_shard, decided, detect_s, rnd)
-            self._revoke(*(c for c in (new_global, new_shard) if c is not None))
-            self._graveyard += [c for c in (new_global, new_shard) if c is not None]
-            base = shrunk
-        die(f"rank {self.world_rank}: no agreed membership after {max_rounds} repair rounds: dying "
-            "rather than hanging")
-        raise AssertionError("unreachable")
-
-    def _claim(self, members: set[int], old_alive: tuple[int, ...]) -> bool:
-        """[Note: split brain] A partition leaves two sides that each see the other as dead; both
-        would shrink and train on, and both would write the run's outputs. So after a repair
-        the first rank of each side claims the transition (old epoch, old alive replicas) in the
-        arbiter folder with an atomic create-if-absent (``os.link`` of a written file: the claim
-        appears whole or not at all). The side that created it goes on; a side that finds it
-        held by ranks it is not a part of stops (its ranks retire). A repair with one side
-        always wins; a later round of the same repair (a further death) finds its own side's
-        claim. A side holding fewer than half of the replicas alive before (or exactly half,
-        without the lowest one) claims ``claim_delay_s`` later, so the larger side wins the
-        race. Without a shared folder (``arbiter_dir`` None) every side goes on."""
-        if self.arbiter_dir is None:
-            return True
-        side = {self.layout.replica_of(w) for w in members}
-        if 2 * len(side) < len(old_alive) or (2 * len(side) == len(old_alive)
-                                               and min(old_alive) not in side):
-            # A minority side (or the half without the lowest replica) lets a majority side,
-            # which detects the partition at about the same time, claim first.
-            with self._guard.paused():
-                time.sleep(self.claim_delay_s)
-        try:
-            return self._claim_file(members, old_alive)
-        except OSError as err:  # no arbiter reachable: go on (as without one)
-            log_line(f"rank {self.world_rank}: arbiter folder {self.arbiter_dir}: {err}; going on")
-            return True
-
-    def _claim_file(self, members: set[int], old_alive: tuple[int, ...]) -> bool:
-        os.makedirs(self.arbiter_dir, exist_ok=True)
-        path = os.path.join(self.arbiter_dir, f"epoch{self.epoch}-alive{'-'.join(map(str, old_alive))}.json")
-        tmp = f"{path}.{self.world_rank}.{os.getpid()}.tmp"
-        with open(tmp, "w") as handle:
-            handle.write(" ".join(map(str, sorted(members))))
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            with open(path) as handle:
-                owner = {int(w) for w in handle.read().split()}
-            return members <= owner
-        finally:
-            os.unlink(tmp)
-
-    def _commit(self, old_alive: tuple[int, ...], complete: tuple[int, ...], new_global: MPI.Comm,
-                new_shard: MPI.Comm, decided: float, detect_s: float, rounds: int) -> ConsensusResult:
-        self.epoch += 1
-        self.layout = dataclasses.replace(self.layout, alive_replicas=complete)
-        dead = frozenset(old_alive) - frozenset(complete)
-        retire = self.replica not in complete
-        if retire:
-            self.retired = True
-        else:
-            self._global, self._shard = new_global, new_shard
-            self._failed_at = None
-        repair_s = time.monotonic() - decided
-        log_line(f"rank {self.world_rank}: epoch {self.epoch}: dead replicas {sorted(dead)}, alive "
-                 f"{list(complete)}, detect {detect_s:.3f}s repair {repair_s:.3f}s rounds {rounds}"
-                 + (" -> retiring" if retire else ""))
-        return ConsensusResult(False, self.epoch, dead, complete, retire, detect_s, repair_s, rounds)
+        return repair(self, decided, detect_s)
 
     def _agree(self, comm: MPI.Comm, flag: bool) -> bool:
         """Uniform AND of ``flag`` over the live members of ``comm`` (works on a revoked comm).
@@ -472,53 +358,30 @@ class FaultTolerantWorld:
                  arbiter_dir: str | os.PathLike | None = None) -> "FaultTolerantWorld":
         """The world of a rank spawned to replace a lost replica: no communicators until
         :meth:`grow`; its original world rank comes with the join offer (:meth:`assume_rank`)."""
-        self = cls.__new__(cls)
-        self.deadlines = deadlines if deadlines is not None else Deadlines()
-        self.arbiter_dir = None if arbiter_dir is None else os.fspath(arbiter_dir)
-        self.claim_delay_s = 10.0
-        self.on_phase, self.on_failed = None, None
-        self.world_rank, self.replica, self.shard = -1, -1, -1
-        self._guard = MpiGuard(self.deadlines, name="newcomer")
-        self._global = self._shard = self._base_group = None
-        self._logical = None
-        self.layout = ReplicaLayout(ranks_per_replica, 0, ())
-        self.epoch, self.retired, self._failed_at = 0, False, None
-        self._graveyard = []
-        return self
+        world = cls.__new__(cls)
+        world._setup(ranks_per_replica, deadlines, arbiter_dir, None, "newcomer")
+        return world
 
     def assume_rank(self, world_rank: int) -> None:
         """A newcomer takes the original world rank (replica, shard) the join offer gave it."""
         self.world_rank = world_rank
         self.replica, self.shard = divmod(world_rank, self.layout.ranks_per_replica)
 
+    def adopt(self, offer: JoinOffer) -> None:
+        """A newcomer takes the job's layout (ranks per replica, replicas, alive replicas) and
+        arbiter folder (``offer.payload["arbiter"]``, None when absent) from the join offer."""
+        if self._global is not None:
+            raise RuntimeError("adopt() is for a newcomer's world (it has no communicators yet)")
+        self.layout = ReplicaLayout(offer.ranks_per_replica, offer.num_replicas,
+                                    offer.alive_replicas)
+        arbiter_dir = offer.payload.get("arbiter")
+        self.arbiter_dir = None if arbiter_dir is None else os.fspath(arbiter_dir)
+
     def grow(self, merged: MPI.Comm, ranks: list[int], alive_replicas: tuple[int, ...],
              num_replicas: int, epoch: int) -> bool:
-        """Stage 4 of [Note: rejoin], on survivors and newcomers alike: ``merged`` (rank i is
-        original world rank ``ranks[i]``) becomes the global communicator, the shard
-        communicators are rebuilt on it, the epoch becomes ``epoch`` + 1, and the layout's
-        alive replicas ``alive_replicas``. One agreement: on failure nothing changes and False
-        is returned (the survivors' old communicators are intact)."""
-        self._check_usable()
-        shard = None
-        built = True
-        try:
-            shard = self._split(merged, self.shard, self.replica)
-        except MPI.Exception as e:
-            log_line(f"rank {self.world_rank}: join: shard split failed with {_errname(e)}")
-            built = False
-        if not self._agree(merged, built):
-            self._revoke(merged, shard)
-            self._graveyard += [c for c in (merged, shard) if c is not None]
-            return False
-        self._graveyard += [c for c in (self._global, self._shard) if c is not None]
-        self._global, self._shard = merged, shard
-        self._base_group, self._logical = merged.Get_group(), list(ranks)
-        self.layout = ReplicaLayout(self.layout.ranks_per_replica, num_replicas,
-                                    tuple(sorted(alive_replicas)))
-        self.epoch, self._failed_at = epoch + 1, None
-        log_line(f"rank {self.world_rank}: epoch {self.epoch}: joined, alive "
-                 f"{list(self.layout.alive_replicas)}")
-        return True
+        """Stage 4 of [Note: rejoin] on survivors and newcomers alike (``growth.grow``): ``merged``
+        becomes the global communicator, epoch ``epoch`` + 1. False: nothing changed."""
+        return growth.grow(self, merged, ranks, alive_replicas, num_replicas, epoch)
 
     def _revoke(self, *comms: MPI.Comm | None) -> None:
         for c in comms:
@@ -530,10 +393,4 @@ class FaultTolerantWorld:
                         c.Revoke()
             except MPI.Exception:
                 pass
-
-
-def _errname(e: MPI.Exception) -> str:
-    names = {MPI.ERR_PROC_FAILED: "ERR_PROC_FAILED", MPI.ERR_REVOKED: "ERR_REVOKED",
-             MPI.ERR_PROC_FAILED_PENDING: "ERR_PROC_FAILED_PENDING"}
-    return names.get(e.Get_error_class(), f"MPI error class {e.Get_error_class()}")
 
