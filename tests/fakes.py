@@ -11,7 +11,12 @@ the ranks of alive replicas that were not killed; a replica that lost any rank i
 (its other ranks get ``retire=True``). The layout is a real ``ReplicaLayout`` and the outcome a
 real ``ConsensusResult``.
 
-Not faked: MPI, processes, chunked reduces, deadlines, the hang watchdog, repair rounds (a repair
+A rejoin (tests/fake_join.py) adds ranks to a running world: ``FakeHub.start_rank`` starts a new
+life of a (replica, shard) on its own thread, a newcomer ``FakeWorld`` has no replicas alive and
+epoch -1 (its death revokes nothing of the world's) until ``adopt`` / ``grow``.
+
+Not faked: MPI, processes, chunked reduces, deadlines (``FakeWorld.deadlines`` only holds the
+hub's timeout for the callers that read it), the hang watchdog, repair rounds (a repair
 is one round), and timing hazards: an outcome depends only on which rank called what, never on
 thread scheduling. Every wait is bounded (``timeout``): a protocol bug (a rank skipping a
 collective, two ranks calling different ones) fails the test with an AssertionError naming the
@@ -30,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from recover_hsdp.collectives.guard import Deadlines
 from recover_hsdp.collectives.membership import ConsensusResult, ReplicaLayout
 
 
@@ -60,7 +66,8 @@ class FakeHub:
         layout: The current ``ReplicaLayout`` (alive replicas shrink at each non-clean consensus).
         epoch: The current world epoch.
         revoked: Epochs in which a failure happened.
-        killed / retired: (replica, shard) of ranks that were killed / that retired.
+        killed / retired: (replica, shard) of ranks that were killed / that retired (in their
+            current life: ``start_rank`` starts a new one; the old kill stays in ``failures``).
         failures: (world rank, epoch, reason) of every failure, in order.
         calls: How many times each world method was called, over all ranks.
     """
@@ -78,7 +85,11 @@ class FakeHub:
         self._tables: dict[tuple, _Rendezvous] = {}
         self._broken: str | None = None
         self._waiting: Counter[str] = Counter()  # rendezvous name -> ranks blocked in it now
-        self._threads: dict[tuple[int, int], threading.Thread] = {}
+        self._threads: dict[tuple[int, int], threading.Thread] = {}  # (replica, shard) -> its
+        # current life's thread
+        self._lives: Counter[tuple[int, int]] = Counter()  # lives started by start_rank
+        self._all_threads: dict[tuple, threading.Thread] = {}  # result key -> thread
+        self._results: dict[tuple, Any] = {}
         self._worlds = {(r, s): FakeWorld(self, r, s)
                         for r in range(replicas) for s in range(ranks_per_replica)}
 
@@ -97,6 +108,22 @@ class FakeHub:
             self._revoke(world, f"replica {replica} shard {shard} killed")
         raise Killed(f"replica {replica} shard {shard} killed at epoch {world.epoch}")
 
+    def start_rank(self, world: FakeWorld, fn: Callable[[FakeWorld], Any]) -> tuple[int, int, int]:
+        """Start a new life of ``world``'s (replica, shard) running ``fn(world)`` on its own thread
+        (a rejoin's newcomer, tests/fake_join.py): from now on its kills and its thread are this
+        life's. Returns the key its result has in what ``run_ranks`` returns: (replica, shard,
+        life), life 1, 2, ..."""
+        key = (world.replica, world.shard)
+        with self._cond:
+            self._lives[key] += 1
+            result_key = (*key, self._lives[key])
+            self.killed.discard(key)
+            self.retired.discard(key)
+            self._worlds[key] = world
+            self._threads[key] = self._thread(result_key, world, fn)
+            self._threads[key].start()
+        return result_key
+
     def await_blocked(self, name: str, count: int) -> None:
         """Wait until ``count`` ranks are blocked in rendezvous ``name`` (to kill "during" it)."""
         with self._cond:
@@ -104,6 +131,25 @@ class FakeHub:
                        counted=False)
 
     # -- internals (called with self._cond held) --------------------------------------------------
+    def _thread(self, result_key: tuple, world: FakeWorld, fn: Callable) -> threading.Thread:
+        """One rank's thread (not started): its return value or the BaseException it ended with
+        goes to ``_results[result_key]``; an unexpected exception releases the other ranks."""
+
+        def body() -> None:
+            try:
+                self._results[result_key] = fn(world)
+            except BaseException as err:  # noqa: BLE001 - handed back to the test
+                self._results[result_key] = err
+                if not isinstance(err, (Killed, Retired)):
+                    with self._cond:
+                        self._break(f"rank {result_key} raised {err!r}")
+
+        thread = threading.Thread(target=body, daemon=True,
+                                  name="fake-rank-r{}s{}".format(*result_key[:2])
+                                  + (f"-life{result_key[2]}" if len(result_key) > 2 else ""))
+        self._all_threads[result_key] = thread
+        return thread
+
     def _revoke(self, world: FakeWorld, reason: str) -> None:
         self.revoked.add(world.epoch)
         self.failures.append((world.world_rank, world.epoch, reason))
@@ -157,17 +203,20 @@ class FakeHub:
 class FakeWorld:
     """One rank's view; same methods and contract as ``FaultTolerantWorld`` (see its docstrings)."""
 
-    def __init__(self, hub: FakeHub, replica: int, shard: int):
+    def __init__(self, hub: FakeHub, replica: int, shard: int, newcomer: bool = False):
         self.hub = hub
         self.replica, self.shard = replica, shard
-        self.world_rank = replica * hub.layout.ranks_per_replica + shard
-        self.layout = hub.layout
+        s = hub.layout.ranks_per_replica
+        self.world_rank = replica * s + shard
+        self.layout = ReplicaLayout(s, 0, ()) if newcomer else hub.layout  # a newcomer's: adopt
+        self.deadlines = Deadlines(call_s=hub.timeout, repair_s=hub.timeout, hang_timeout_s=None)
+        self.arbiter_dir: str | None = None
         self.retired = False
         self.on_phase = None  # as FaultTolerantWorld.on_phase: called with "consensus"
         self.on_failed = None  # as FaultTolerantWorld.on_failed (no frozen processes here)
         self.closed = False
         self.calls: Counter[str] = Counter()
-        self._epoch = 0
+        self._epoch = -1 if newcomer else 0
         self._failed_at: float | None = None
         self._seq: Counter[str] = Counter()   # per-communicator call number in this epoch
         self._agreements = 0                  # consensus / finish calls in this epoch
@@ -329,6 +378,32 @@ class FakeWorld:
     def close(self) -> None:
         self.closed = True
 
+    # -- rejoin (tests/fake_join.py) --------------------------------------------------------------
+    def adopt(self, offer) -> None:
+        """As ``FaultTolerantWorld.adopt``: a newcomer takes the layout and arbiter folder from
+        the join offer."""
+        self.layout = ReplicaLayout(offer.ranks_per_replica, offer.num_replicas,
+                                    tuple(offer.alive_replicas))
+        self.arbiter_dir = offer.payload.get("arbiter")
+
+    def grow(self, merged, ranks: list[int], alive_replicas: tuple[int, ...], num_replicas: int,
+             epoch: int) -> bool:
+        """As ``FaultTolerantWorld.grow``: one more agreement on the join's merged communicator
+        (``merged.agree_grow``, which moves the hub to the grown layout), then this rank's view:
+        epoch ``epoch`` + 1, ``alive_replicas`` alive. False: nothing changed."""
+        layout = ReplicaLayout(self.layout.ranks_per_replica, num_replicas,
+                               tuple(sorted(alive_replicas)))
+        with self.hub._cond:
+            self._count("grow")
+            self._check_usable()
+        if not merged.agree_grow(layout, epoch + 1):
+            return False
+        with self.hub._cond:
+            self.layout, self._epoch = layout, epoch + 1
+            self._failed_at, self._agreements = None, 0
+            self._seq.clear()
+        return True
+
     def _count(self, kind: str) -> None:
         self.calls[kind] += 1
         self.hub.calls[kind] += 1
@@ -342,34 +417,30 @@ class FakeWorld:
 
 def run_ranks(hub: FakeHub, fn: Callable[[FakeWorld], Any], timeout: float = 30.0) -> dict:
     """Run ``fn(world)`` on one thread per rank; {(replica, shard): return value or the
-    BaseException the thread ended with}. An unexpected exception releases the other ranks
-    (``HubBroken``); a thread still running after ``timeout`` fails with AssertionError."""
-    results: dict[tuple[int, int], Any] = {}
-
-    def body(key: tuple[int, int]) -> None:
-        try:
-            results[key] = fn(hub.world(*key))
-        except BaseException as err:  # noqa: BLE001 - handed back to the test
-            results[key] = err
-            if not isinstance(err, (Killed, Retired)):
-                with hub._cond:
-                    hub._break(f"rank {key} raised {err!r}")
-
+    BaseException the thread ended with}, and the same for ranks started meanwhile by
+    ``FakeHub.start_rank`` under (replica, shard, life). An unexpected exception releases the
+    other ranks (``HubBroken``); a thread still running after ``timeout`` fails with
+    AssertionError."""
     with hub._cond:
-        hub._threads = {key: threading.Thread(target=body, args=(key,), daemon=True,
-                                              name=f"fake-rank-r{key[0]}s{key[1]}")
-                        for key in hub._worlds}
-    for thread in hub._threads.values():
+        hub._results = {}
+        hub._threads = {key: hub._thread(key, hub.world(*key), fn) for key in hub._worlds}
+        first = list(hub._threads.values())
+    for thread in first:
         thread.start()
     deadline = time.monotonic() + timeout
-    for thread in hub._threads.values():
-        thread.join(max(0.0, deadline - time.monotonic()))
-    stuck = sorted(key for key, thread in hub._threads.items() if thread.is_alive())
+    while time.monotonic() < deadline:
+        with hub._cond:  # start_rank registers a thread before its starter can end
+            running = [t for t in hub._all_threads.values() if t.is_alive()]
+        if not running:
+            break
+        running[0].join(max(0.0, deadline - time.monotonic()))
+    with hub._cond:
+        stuck = sorted(key for key, thread in hub._all_threads.items() if thread.is_alive())
     if stuck:
         with hub._cond:
             hub._break(f"run_ranks timed out after {timeout}s")
         raise AssertionError(f"ranks {stuck} still running after {timeout}s")
-    return results
+    return dict(hub._results)
 
 
 def values_of(results: dict, killed=(), retired=()) -> dict:

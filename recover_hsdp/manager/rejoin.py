@@ -307,11 +307,14 @@ class Rejoin:
         self.writer.ledger_records[:] = meta["ledger"]
         self.processes.table[:] = meta["procs"]
         self.outputs.steps, self.outputs.events = list(meta["steps"]), list(meta["events"])
+        self._joined(channel, list(offer.new_replicas), policy)
+        # Kept after _joined: a newcomer that takes the writer duty back-fills events.jsonl
+        # there, while the old writer may still be appending its own, fuller record of this join
+        # (it logs after the grow too): back-filled, this one would race it into a second line.
         self.outputs.events.append({  # the survivors' record of this join has the same key
             "phase": "join", "step": int(offer.payload["step"]), "epoch": world.epoch,
             "ok": True, "joined_replicas": list(offer.new_replicas),
             "alive_replicas": list(world.alive_replicas)})
-        self._joined(channel, list(offer.new_replicas), policy)
         print(f"[recover-hsdp] newcomer rank {world.world_rank} (replica {world.replica}): "
               f"joined at step {offer.payload['step']} in {time.perf_counter() - started:.2f}s",
               flush=True)

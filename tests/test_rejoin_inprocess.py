@@ -1,0 +1,289 @@
+"""Replica rejoin ([Note: rejoin at a boundary] in recover_hsdp/manager/rejoin.py) in-process: the
+real ``RecoverManager``, ``WorkloadPolicy`` and ``BucketSync`` over the fake world (tests/fakes.py)
+and the fake join primitives (tests/fake_join.py), with the stand-in model and the ledger oracle
+of tests/test_manager_inprocess.py.
+
+A replica dies, its replacement is spawned ``respawn_after_steps`` later, trains from the
+donor's state and the survivors' step on. Every test asserts: every step commits B microbatch
+gradients (measured), every rank's applied gradient equals the oracle's recomputation from the
+ledger, G is back at G_init once the replica joined, and the parameters of every replica are
+equal at every step (``consistency_check_interval = 1``; the join checks the newcomer's checksum
+against the donor's). What the real spawn adds (processes, MPI, PRRTE) is covered by
+tests/test_rejoin.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fake_join import FakeJoins
+from fakes import FakeHub, FakeUnit, Killed, Retired, run_ranks, values_of
+from recover_hsdp.manager import RecoverManager
+from recover_hsdp.outputs import RunMetrics
+from recover_hsdp.recovery import BucketSync
+from recover_hsdp.workload import WorkloadPolicy
+from recover_hsdp.workload.ledger import read_ledger
+from test_manager_inprocess import TOKENS, UNITS, WIDTH, FakeFaults, StandInWork, oracle
+
+LR, MOMENTUM = 0.01, 0.9
+
+
+class JoiningWork(StandInWork):
+    """``StandInWork`` with state to move (``JoinWork``): per unit a parameter and a momentum
+    vector that every update changes. A newcomer's start as garbage: only the transfer makes
+    them right."""
+
+    def __init__(self, world, units, newcomer: bool):
+        super().__init__(world, units)
+        fill = (lambda u: np.full(WIDTH, -7.0)) if newcomer else (
+            lambda u: np.arange(WIDTH, dtype=np.float64) * (u + 1))
+        self.params = [fill(u) for u in range(UNITS)]
+        self.momentum = [fill(u) * 0.5 for u in range(UNITS)]
+        self.updates = -1 if newcomer else 0
+        self.first_step = 1
+        self.before_step: dict[int, list[np.ndarray]] = {}  # step -> join tensors before it
+
+    def apply_update(self, grad_scale: float) -> float:
+        norm = super().apply_update(grad_scale)
+        for param, momentum, grad in zip(self.params, self.momentum, self.applied[-1]):
+            momentum *= MOMENTUM
+            momentum += grad.numpy()
+            param -= LR * momentum
+        self.updates += 1
+        return norm
+
+    def checksum(self) -> float:
+        return float(sum(p.sum() for p in self.params))
+
+    # JoinWork
+    def join_meta(self) -> dict:
+        return {"updates": self.updates}
+
+    def load_join_meta(self, meta: dict) -> None:
+        self.updates = meta["updates"]
+
+    def join_tensors(self) -> list[np.ndarray]:
+        return [*self.params, *self.momentum]
+
+    def spawn_command(self, replicas: list[int]) -> tuple[str, list[str]]:
+        return "recover-hsdp-newcomer", [",".join(map(str, replicas))]
+
+
+def run_rejoin_job(tmp_path, replicas, g, steps, faults=(), shards=1, respawn=1,
+                   before_join=None, start_steps=1):
+    """Run ``steps`` steps; newcomers join as the manager decides. Returns (hub, joins,
+    {(r, s) or (r, s, life): JoiningWork or exception}). ``before_join(world)``: called on a
+    newcomer's thread before it joins (to kill it there)."""
+    hub = FakeHub(replicas, shards)
+
+    def build(world, newcomer: bool):
+        units = [FakeUnit(f"u{i}") for i in range(UNITS)]
+        sync = BucketSync(units, world)
+        policy = WorkloadPolicy(initial_replicas=replicas, microbatches_per_replica=g,
+                                keep_spares=True, data_assignment="exact")
+        # as RecoverMetricsProcessor: a replacement rank never starts as the writer
+        outputs = RunMetrics(tmp_path, is_writer=world.world_rank == 0 and not newcomer,
+                             mode="recover")
+        work = JoiningWork(world, units, newcomer)
+        work.initial_replicas, work.bucket_sync = replicas, sync
+        manager = RecoverManager(
+            world=world, bucket_sync=sync, policy=policy,
+            faults=FakeFaults(faults, hub, world.replica, world.shard, tmp_path),
+            outputs=outputs, out_dir=tmp_path, tokens_per_microbatch=TOKENS * shards,
+            consistency_check_interval=1, parameter_checksum=work.checksum,
+            die=lambda: hub.kill(world.replica, world.shard),
+            respawn_after_steps=respawn, joins=joins)
+        return manager, work, outputs
+
+    def run(manager, work, outputs, world, first: int, admit_first: bool):
+        for step in range(first, steps + 1):
+            if step > first or admit_first:
+                manager.maybe_admit(step, work)
+            work.before_step[step] = [t.copy() for t in work.join_tensors()]
+            work.step = step
+            record = manager.step(step, work)
+            outputs.log_step({**record, "step_time_s": 0.0})
+        manager.finish_run(lambda: outputs.write_summary(
+            {"alive_replicas": len(world.alive_replicas)}))
+        return work
+
+    def survivor(world):
+        manager, work, outputs = build(world, newcomer=False)
+        return run(manager, work, outputs, world, 1, admit_first=True)
+
+    def newcomer(world):
+        manager, work, outputs = build(world, newcomer=True)
+        if before_join is not None:
+            before_join(world)
+        work.first_step = manager.join_as_newcomer(work)
+        return run(manager, work, outputs, world, work.first_step, admit_first=False)
+
+    joins = FakeJoins(hub, newcomer, start_steps=start_steps)
+    return hub, joins, run_ranks(hub, survivor)
+
+
+def _jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check(tmp_path, works, replicas, steps, g_init):
+    """B every step, measured; every rank's applied gradients equal the oracle's from its first
+    step on; G back at G_init once every replica is alive; every rank of a shard ends with the
+    same parameters. Returns the join events."""
+    b = replicas * g_init
+    ledger = read_ledger(tmp_path / "ledger.jsonl")
+    assert [e.step for e in ledger] == list(range(steps))
+    assert all(e.committed_total == b for e in ledger)
+    metrics = _jsonl(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert [m["reduced_microbatches"] for m in metrics] == [b] * steps
+    assert all(m["g"] == g_init for m in metrics if m["alive_replicas"] == replicas)
+    for key, work in works.items():
+        assert len(work.applied) == steps - work.first_step + 1, key
+        for entry, applied in zip(ledger[work.first_step - 1:], work.applied):
+            expected = oracle(entry, work.shard, replicas)
+            for unit in range(UNITS):
+                assert torch.equal(applied[unit], expected[unit]), (key, entry.step, unit)
+    for shard in {w.shard for w in works.values()}:
+        final = [w.join_tensors() for w in works.values() if w.shard == shard]
+        assert all(all(np.array_equal(a, b) for a, b in zip(final[0], f)) for f in final)
+    assert metrics[-1]["alive_replicas"] == replicas
+    return [e for e in _jsonl(tmp_path / "events.jsonl") if e.get("phase") == "join"]
+
+
+def check_transfer(works, newcomer_key, donor_key):
+    """The newcomer's state before its first step is the donor's, bit for bit."""
+    newcomer, donor = works[newcomer_key], works[donor_key]
+    step = newcomer.first_step
+    assert all(np.array_equal(a, b) for a, b in
+               zip(newcomer.before_step[step], donor.before_step[step]))
+    assert newcomer.updates == donor.updates
+
+
+def test_respawn_4x1(tmp_path):
+    """Replica 1 dies at step 2; respawned before step 4 (one step after the loss), ready at
+    step 5's boundary check, joined before step 6: G goes back to 1, B = 4 every step."""
+    hub, joins, results = run_rejoin_job(tmp_path, replicas=4, g=1, steps=7,
+                                         faults=["replica=1,step=2,phase=grad_sync,bucket=1"])
+    works = values_of(results, killed=[(1, 0)])
+    assert sorted(works) == [(0, 0), (1, 0, 1), (2, 0), (3, 0)]
+    joins_seen = check(tmp_path, works, replicas=4, steps=7, g_init=1)
+    (join,) = joins_seen
+    assert join["ok"] and join["joined_replicas"] == [1] and join["step"] == 6
+    assert join["step_started"] == 4 and join["bytes_per_donor_rank"] > 0
+    assert works[(1, 0, 1)].first_step == 6
+    check_transfer(works, (1, 0, 1), (0, 0))
+    metrics = _jsonl(tmp_path / "metrics.jsonl")
+    assert [m["alive_replicas"] for m in metrics] == [4, 3, 3, 3, 3, 4, 4]
+    assert [m["g"] for m in metrics] == [1, 1, 2, 2, 2, 1, 1]  # step 2 keeps its plan's G
+    assert joins.spawned == [("recover-hsdp-newcomer", ["1"], (1,))]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["joins"] == 1 and summary["failures"] == 1 and summary["alive_replicas"] == 4
+    assert hub.epoch == 2 and hub.layout.alive_replicas == (0, 1, 2, 3)
+
+
+def test_newcomer_killed_mid_transfer_aborts_the_join_only(tmp_path):
+    """The newcomer dies after the donor's header, before the tensors (``phase=join`` of the
+    join started before step 4): the join before step 6 is aborted, the survivors go on with
+    B every step, and the next attempt (respawned before step 7) brings replica 1 back."""
+    hub, joins, results = run_rejoin_job(
+        tmp_path, replicas=4, g=1, steps=10,
+        faults=["replica=1,step=2,phase=grad_sync,bucket=1", "replica=1,step=4,phase=join"])
+    works = values_of(results, killed=[(1, 0), (1, 0, 1)])
+    assert sorted(works) == [(0, 0), (1, 0, 2), (2, 0), (3, 0)]
+    failed, joined = check(tmp_path, works, replicas=4, steps=10, g_init=1)
+    assert not failed["ok"] and failed["joined_replicas"] == [] and failed["step"] == 6
+    assert failed["step_started"] == 4 and failed["alive_replicas"] == [0, 2, 3]
+    assert joined["ok"] and joined["step_started"] == 7 and joined["step"] == 9
+    check_transfer(works, (1, 0, 2), (0, 0))
+    # the newcomer's death revoked its own epoch (-1), not the survivors' world
+    assert [f for f in hub.failures if f[1] == -1] == [(1, -1, "replica 1 shard 0 killed")]
+    assert hub.epoch == 2  # the loss and the one join that grew: the abort changed nothing
+
+
+def test_donor_killed_mid_transfer_aborts_the_join_and_loses_its_replica(tmp_path):
+    """The donor (replica 0, the writer's) dies mid-transfer: the join is aborted, the newcomer
+    exits, the next step finds the donor's death (replica 0 gone, the writer's duty moves);
+    later both lost replicas come back in one join, replica 0 as the writer again."""
+    hub, joins, results = run_rejoin_job(
+        tmp_path, replicas=4, g=1, steps=11,
+        faults=["replica=1,step=2,phase=grad_sync,bucket=1", "replica=0,step=4,phase=join"])
+    works = values_of(results, killed=[(1, 0), (0, 0)], retired=[(1, 0, 1)])
+    assert sorted(works) == [(0, 0, 1), (1, 0, 2), (2, 0), (3, 0)]
+    assert joins.exited == [(1, 0)]
+    failed, joined = check(tmp_path, works, replicas=4, steps=11, g_init=1)
+    assert not failed["ok"] and failed["step"] == 6 and failed["step_started"] == 4
+    metrics = _jsonl(tmp_path / "metrics.jsonl")
+    assert [m["alive_replicas"] for m in metrics] == [4, 3, 3, 3, 3, 2, 2, 2, 2, 4, 4]
+    deaths = [e for e in _jsonl(tmp_path / "events.jsonl") if e.get("dead_replicas")]
+    assert [(e["step"], e["dead_replicas"]) for e in deaths] == [(2, [1]), (6, [0])]
+    assert joined["ok"] and joined["joined_replicas"] == [0, 1] and joined["step"] == 10
+    assert joined["step_started"] == 8  # the survivors' record, once (the new writer's is shorter)
+    check_transfer(works, (0, 0, 1), (2, 0))
+    check_transfer(works, (1, 0, 2), (2, 0))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["joins"] == 1 and summary["failures"] == 2
+
+
+def test_respawn_2x2(tmp_path):
+    """S = 2: shard 1 of replica 1 dies, shard 0 retires with it; both come back as two
+    newcomer ranks, each taking the state of the donor rank of its own shard."""
+    hub, joins, results = run_rejoin_job(
+        tmp_path, replicas=2, g=2, steps=7, shards=2,
+        faults=["replica=1,step=2,phase=grad_sync,bucket=2,rank=1"])
+    works = values_of(results, killed=[(1, 1)], retired=[(1, 0)])
+    assert sorted(works) == [(0, 0), (0, 1), (1, 0, 1), (1, 1, 1)]
+    (join,) = check(tmp_path, works, replicas=2, steps=7, g_init=2)
+    assert join["ok"] and join["joined_replicas"] == [1] and join["step"] == 6
+    check_transfer(works, (1, 0, 1), (0, 0))
+    check_transfer(works, (1, 1, 1), (0, 1))
+    assert not all(np.array_equal(a, b) for a, b in zip(works[(0, 0)].join_tensors(),
+                                                         works[(0, 1)].join_tensors()))
+    assert hub.layout.alive_replicas == (0, 1)
+
+
+def test_newcomer_dies_while_starting(tmp_path):
+    """A newcomer dies before it is ready: the survivors see it failed at their next boundary,
+    give the join up and respawn one step later."""
+    lives = []
+
+    def die_first_life(world):
+        lives.append(world.replica)
+        if len(lives) == 1:
+            world.hub.kill(world.replica, world.shard)
+
+    hub, joins, results = run_rejoin_job(
+        tmp_path, replicas=3, g=1, steps=9, before_join=die_first_life,
+        faults=["replica=2,step=2,phase=forward"])
+    works = values_of(results, killed=[(2, 0), (2, 0, 1)])
+    failed, joined = check(tmp_path, works, replicas=3, steps=9, g_init=1)
+    assert not failed["ok"] and "while the newcomers started" in failed["reason"]
+    assert failed["step"] == 5 and joined["ok"] and joined["step"] == 8
+    check_transfer(works, (2, 0, 2), (0, 0))
+
+
+@pytest.mark.parametrize("start_steps", [0, 3])
+def test_join_waits_for_every_survivor_to_see_the_newcomers_ready(tmp_path, start_steps):
+    """The join completes at the first boundary after the step whose totals agreed they were
+    ready: start_steps steps of training while the newcomers start."""
+    hub, joins, results = run_rejoin_job(
+        tmp_path, replicas=3, g=1, steps=9, start_steps=start_steps,
+        faults=["replica=1,step=2,phase=backward"])
+    works = values_of(results, killed=[(1, 0)])
+    (join,) = check(tmp_path, works, replicas=3, steps=9, g_init=1)
+    assert join["ok"] and join["step_started"] == 4 and join["step"] == 5 + start_steps
+
+
+def test_aborted_newcomer_is_not_left_running_when_the_run_ends(tmp_path):
+    """The run ends while the newcomers are still starting: they are told to exit."""
+    hub, joins, results = run_rejoin_job(tmp_path, replicas=2, g=1, steps=4, start_steps=5,
+                                         faults=["replica=1,step=2,phase=backward"])
+    works = values_of(results, killed=[(1, 0)], retired=[(1, 0, 1)])
+    assert sorted(works) == [(0, 0)] and joins.exited == [(1, 0)]
+    (join,) = [e for e in _jsonl(tmp_path / "events.jsonl") if e.get("phase") == "join"]
+    assert not join["ok"] and "the run ended" in join["reason"]
+    assert isinstance(results[(1, 0, 1)], Retired) and isinstance(results[(1, 0)], Killed)
