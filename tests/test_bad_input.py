@@ -74,8 +74,20 @@ def test_inner_degrees_that_cannot_work():
     check_model_parallelism(job)
 
 
+def test_world_size_not_matching_ranks_per_replica_is_refused_in_one_line():
+    from recover_hsdp.config import check_world_size
+    from recover_hsdp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="recover.ranks_per_replica=2 does not divide the MPI "
+                       r"world size 3: launch R x S ranks \(mpirun -np R\*S\)"):
+        check_world_size(3, 2)
+    assert check_world_size(4, 2) == 2
+
+
+@pytest.mark.slow  # default suite: the check itself is tested above, in-process
 def test_world_size_not_matching_ranks_per_replica(tmp_path):
-    """mpirun -np 3 with ranks_per_replica 2: every rank stops with the one-line error."""
+    """mpirun -np 3 with ranks_per_replica 2: every rank stops with the one-line error.
+    Only a real mpirun proves: every rank stops by itself (none waits for the others)."""
     from recover_hsdp.cli.launch import resolve_mpirun
     from recover_hsdp.collectives.mpirun import mpirun_prefix
 
