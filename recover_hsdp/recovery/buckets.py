@@ -43,6 +43,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from recover_hsdp.errors import one_line
 from recover_hsdp.recovery.fsdp_contract import check_grads_are_bucket_views, check_unit
+from recover_hsdp.recovery.staging import HostStaging
 
 
 def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
@@ -105,7 +106,7 @@ class BucketSync:
         self.contributes = True
         self.collecting_extras = False
         self.error: str | None = None  # first error raised inside the hook this step (not MPI's)
-        self._staging: dict[tuple, torch.Tensor] = {}
+        self.staging = HostStaging()  # GPU buckets' host chunks
         self._pending = [0] * len(self.units)  # backward passes per unit since its last hook
         for index, unit in enumerate(self.units):
             unit.set_force_sum_reduction_for_comms(True)
@@ -226,16 +227,9 @@ class BucketSync:
 
     def _reduce(self, bucket: Bucket) -> None:
         """Guarded cross-replica SUM of one bucket, tagged with the epoch it succeeded under.
-        GPU buckets are staged through a pinned host buffer (CUDA-aware MPI is not assumed)."""
-        tensor = bucket.tensor
-        if tensor.device.type == "cpu":
-            ok = self.world.allreduce(tensor.numpy())
-        else:
-            host = self._pinned_staging(tensor)
-            host.copy_(tensor)
-            ok = self.world.allreduce(host.numpy())
-            if ok:
-                tensor.copy_(host)
+        GPU buckets go through reused pinned host chunks ([Note: no device tensor reaches MPI]
+        in recovery/staging.py; CUDA-aware MPI is not assumed); CPU buckets are reduced in place."""
+        ok = self.staging.reduce(bucket.tensor, self.world.allreduce)
         bucket.epoch = self.world.epoch if ok else None
 
     def _join_hook_stream(self) -> None:
@@ -248,13 +242,6 @@ class BucketSync:
             for tensor in (bucket.tensor, bucket.snapshot, bucket.extra):
                 if tensor is not None and tensor.is_cuda:
                     tensor.record_stream(current)
-
-    def _pinned_staging(self, tensor: torch.Tensor) -> torch.Tensor:
-        """One reusable pinned host buffer per bucket shape (allocated on first use)."""
-        key = (tuple(tensor.shape), tensor.dtype)
-        if key not in self._staging:
-            self._staging[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return self._staging[key]
 
     # ------------------------------------------------------------------ recovery
 

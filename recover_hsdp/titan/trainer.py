@@ -34,6 +34,7 @@ from recover_hsdp.errors import one_line
 from recover_hsdp.faults import Phase
 from recover_hsdp.manager import build_injector_for, build_manager, build_world
 from recover_hsdp.manager.bootstrap import NEWCOMER_ENV, bootstrap_replica, newcomer_placement
+from recover_hsdp.recovery.staging import HostStaging, to_host
 from recover_hsdp.titan.metrics import full_tensors
 from recover_hsdp.titan.sources import SampleLog
 from recover_hsdp.workload import DataRef
@@ -58,7 +59,7 @@ class ReplicaCheckpointer:
         if not (last_step and inner.last_save_model_only):  # the loader state goes in too
             source = inner.states["dataloader"]
             if source.gathers_state:
-                states = self._manager.gather_for_checkpoint(source.checkpoint_state())
+                states = self._manager.gather_for_checkpoint(to_host(source.checkpoint_state()))
                 source.set_gathered(states.values())
         if self._manager.saves_checkpoints:
             with self._manager.world.watchdog_paused():
@@ -77,6 +78,8 @@ class RecoverTrainer(Trainer):
         from recover_hsdp.collectives import MPI
 
         ranks_per_replica = job_config.recover.ranks_per_replica
+        self._join_staging = HostStaging()  # [Note: no device tensor reaches MPI]
+        self._join_staged: tuple[list, list] = ([], [])
         newcomer = newcomer_placement(ranks_per_replica)  # [Note: rejoin at a boundary]
         self._joining = newcomer is not None
         validate(job_config, world_size=newcomer.world_size if newcomer
@@ -128,6 +131,8 @@ class RecoverTrainer(Trainer):
             self.metrics_processor._last_log = time.perf_counter()  # its steps start now
         else:
             self.manager.maybe_admit(self.step, self)
+        self._join_staged = ([], [])  # a join is over by now: its host copy can go
+        self._join_staging.release()
         started = time.perf_counter()
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
@@ -174,16 +179,22 @@ class RecoverTrainer(Trainer):
     # JoinWork (recover_hsdp.manager.rejoin.JoinWork) ---------------------------------------
 
     def join_meta(self) -> dict:
-        return {"ntokens_seen": self.ntokens_seen,
-                "lr_schedulers": self.lr_schedulers.state_dict(),
-                # stream mode: the loader states of the last checkpoint (a resumed slot then
-                # replays from there, not from the start of its part)
-                "dataloader": self.dataloader.state_dict(),
-                "param_groups": [[{k: v for k, v in group.items() if k != "params"}
-                                  for group in optimizer.param_groups]
-                                 for optimizer in self.optimizers.optimizers]}
+        """Pickled over MPI: tensors in it (an LR held as a tensor) go to the CPU first."""
+        return to_host({
+            "ntokens_seen": self.ntokens_seen,
+            "lr_schedulers": self.lr_schedulers.state_dict(),
+            # stream mode: the loader states of the last checkpoint (a resumed slot then
+            # replays from there, not from the start of its part)
+            "dataloader": self.dataloader.state_dict(),
+            "param_groups": [[{k: v for k, v in group.items() if k != "params"}
+                              for group in optimizer.param_groups]
+                             for optimizer in self.optimizers.optimizers]})
 
     def load_join_meta(self, meta: dict) -> None:
+        """Rejoin calls this once the arrays of :meth:`join_tensors` hold the donor's state:
+        staged copies go back to the device first."""
+        tensors, arrays = self._join_staged
+        self._join_staging.copy_back(tensors, arrays)
         self.ntokens_seen = meta["ntokens_seen"]
         self.lr_schedulers.load_state_dict(meta["lr_schedulers"])
         self.dataloader.load_state_dict(meta["dataloader"])
@@ -193,8 +204,10 @@ class RecoverTrainer(Trainer):
 
     def join_tensors(self) -> list:
         """This rank's parameters (local FSDP x TP shards), then every optimizer state tensor,
-        in parameter order: the same list on every replica of a layout. CPU tensors are shared
-        with numpy (a GPU run would stage them through host buffers: not built here)."""
+        in parameter order: the same list on every replica of a layout, as numpy arrays for
+        MPI. CPU tensors are shared with numpy (zero-copy); device tensors are staged through
+        one host buffer ([Note: no device tensor reaches MPI] in recovery/staging.py), copied
+        back by :meth:`load_join_meta` on a newcomer and released at the next step."""
         params = [p for m in self.model_parts for p in m.parameters()]
         if any(not opt.state for opt in self.optimizers.optimizers):
             self._materialize_optimizer_state(params)
@@ -205,7 +218,9 @@ class RecoverTrainer(Trainer):
                     state = optimizer.state.get(param, {})
                     tensors += [_local(state[k]) for k in sorted(state)
                                 if isinstance(state[k], torch.Tensor)]
-        return [t.detach().numpy() for t in tensors]
+        tensors = [t.detach() for t in tensors]
+        self._join_staged = (tensors, self._join_staging.to_numpy(tensors, key="join"))
+        return self._join_staged[1]
 
     def _materialize_optimizer_state(self, params) -> None:
         """A newcomer's optimizer has no state before its first step: one step on zero
