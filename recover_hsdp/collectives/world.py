@@ -112,6 +112,9 @@ class FaultTolerantWorld:
         self.on_phase = on_phase  # public: the manager installs its fault points here
         # public: on_failed(world ranks) when a guarded call fails with ranks known failed
         self.on_failed: Callable[[list[int]], None] | None = None
+        # public: on_leave() when this rank leaves normally (retire, close): the replica's
+        # heartbeat says goodbye ([Note: a replica leaves as a unit], manager/replica_group.py)
+        self.on_leave: Callable[[], None] | None = None
         self.world_rank, self.replica, self.shard = -1, -1, -1
         self._guard = MpiGuard(self.deadlines, name=name)
         self._global: MPI.Comm | None = None
@@ -297,6 +300,7 @@ class FaultTolerantWorld:
         print(f"RETIRE rank {self.world_rank} (replica {self.replica}, shard {self.shard}): replica "
               f"{self.replica} lost a rank; retiring at epoch {self.epoch}, exit 0"
               + (f": {message}" if message else ""), flush=True)
+        self._left()
         self._guard.close()
         time.sleep(self.deadlines.retire_grace_s)
         sys.stdout.flush()
@@ -318,7 +322,13 @@ class FaultTolerantWorld:
 
     def close(self) -> None:
         """Stop the watchdog and disarm deadlines (communicators are left to process exit)."""
+        self._left()
         self._guard.close()
+
+    def _left(self) -> None:
+        if self.on_leave is not None:
+            on_leave, self.on_leave = self.on_leave, None
+            on_leave()
 
     # -- helpers ----------------------------------------------------------------------------------
     def _check_usable(self) -> None:

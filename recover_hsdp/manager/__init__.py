@@ -13,6 +13,10 @@
                     wired from the config
   bootstrap.py      process model: MPI rank -> (replica, shard), the replica's torch.distributed
                     store
+  rendezvous.py     [Note: rendezvous address]: the address replica peers reach a rank at
+  replica_group.py  the replica's process group, its timeouts (one table) and
+                    [Note: a replica leaves as a unit]
+  replica_heartbeat.py ``ReplicaHeartbeat``: UDP heartbeat among a replica's ranks (stdlib)
 
 Imports torch and the three layers (collectives, recovery, workload), never torchtitan: the
 trainer hands it a ``StepWork`` (forward/backward, gradient sync, optimizer update).

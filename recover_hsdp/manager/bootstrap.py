@@ -1,8 +1,12 @@
 """Process model: one MPI rank per device; a torch.distributed world per replica.
 
-Replica ``r = world_rank // S`` and shard index ``s = world_rank % S``. The replica's shard-0 rank
-opens a TCPStore on a free port; its address travels to the other S-1 ranks over MPI, and the
-S ranks form the replica's own torch.distributed world (gloo on CPU, NCCL on GPU). TorchTitan
+Replica ``r = world_rank // S`` and shard index ``s = world_rank % S``. The replica's ranks
+exchange their host names and interfaces over MPI and each picks the address its peers reach it
+at ([Note: rendezvous address] in manager/rendezvous.py); the shard-0 rank opens a TCPStore there
+on a free port, its address travels to the other S-1 ranks over MPI, and the S ranks form the
+replica's own torch.distributed world (gloo on CPU, NCCL on GPU); with S > 1 each also opens the
+UDP socket of the replica's heartbeat ([Note: a replica leaves as a unit] in
+manager/replica_group.py). TorchTitan
 only ever sees that world: FSDP2 shards the model over the replica's S ranks. Everything that
 crosses replicas goes through MPI (see :mod:`recover_hsdp.collectives`).
 
@@ -13,13 +17,16 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from recover_hsdp.collectives import MPI  # imports mpi4py with the ULFM settings
 from recover_hsdp.collectives.processes import ProcessInfo
+from recover_hsdp.config import ConfigError
+from recover_hsdp.manager import rendezvous
+from recover_hsdp.manager.replica_heartbeat import open_socket
 
 _PLACEMENT: "ProcessPlacement | None" = None
 
@@ -53,6 +60,17 @@ class ReplicaWorld:
     layout: ProcessPlacement
     store: dist.Store
     procs: list[ProcessInfo]  # world rank -> (host, pid, start): [Note: nothing left behind]
+    beats: "HeartbeatWiring | None" = None  # S > 1: the replica heartbeat's socket and peers
+
+
+@dataclass
+class HeartbeatWiring:
+    """This rank's heartbeat socket, its replica peers' addresses (shard -> (address, port))
+    and the replica's token ([Note: a replica leaves as a unit])."""
+
+    sock: socket.socket
+    peers: dict[int, tuple[str, int]] = field(default_factory=dict)
+    token: bytes = b""
 
 
 def current_placement() -> ProcessPlacement:
@@ -61,14 +79,28 @@ def current_placement() -> ProcessPlacement:
     return _PLACEMENT
 
 
-def _store_host() -> str:
-    host = os.environ.get("RECOVER_HSDP_STORE_HOST")
-    if host:
-        return host
+def _addresses(replica_comm, shard: int, size: int):
+    """[Note: rendezvous address] on every rank of the replica: (the store's address, this
+    rank's heartbeat socket or None, every rank's heartbeat address). A rank without a routable
+    address makes every rank of the replica stop with the same one line."""
+    hosts = replica_comm.allgather(rendezvous.this_host())
+    sock, error, address = None, None, rendezvous.LOCAL
     try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+        address, interface = rendezvous.local_address(hosts, shard)
+        if interface and rendezvous.spans_hosts(hosts):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # gloo falls back to lo
+        store_host = rendezvous.store_address(hosts, shard) if shard == 0 else None
+        if size > 1:
+            sock = open_socket(address)
+    except (ValueError, OSError) as err:
+        store_host, error = None, f"replica rank {shard}: {err}"
+    beats = replica_comm.allgather((sock.getsockname() if sock else None, error))
+    errors = [e for _, e in beats if e]
+    if errors:
+        if sock is not None:
+            sock.close()
+        raise ConfigError(errors[0])
+    return store_host, sock, [b for b, _ in beats]
 
 
 NEWCOMER_ENV = "RECOVER_HSDP_NEWCOMER"
@@ -109,19 +141,23 @@ def bootstrap_replica(ranks_per_replica: int, timeout_s: float = 300.0,
     if placement is not None:
         procs = []  # a newcomer learns the job's processes when it joins
     try:
+        store_host, sock, beat_addresses = _addresses(replica_comm, layout.shard,
+                                                      ranks_per_replica)
         if layout.shard == 0:
-            host = _store_host()
-            store = dist.TCPStore(host, 0, ranks_per_replica, is_master=True,
+            store = dist.TCPStore(store_host, 0, ranks_per_replica, is_master=True,
                                   timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-            address = replica_comm.bcast((host, store.port), root=0)
+            address, token = replica_comm.bcast(((store_host, store.port), os.urandom(8)), root=0)
         else:
-            host, port = replica_comm.bcast(None, root=0)
-            store = dist.TCPStore(host, port, ranks_per_replica, is_master=False,
+            address, token = replica_comm.bcast(None, root=0)
+            store = dist.TCPStore(address[0], address[1], ranks_per_replica, is_master=False,
                                   timeout=timedelta(seconds=timeout_s))
-            address = (host, port)
     finally:
         replica_comm.Free()
+    beats = None
+    if sock is not None:
+        peers = {shard: tuple(a) for shard, a in enumerate(beat_addresses) if shard != layout.shard}
+        beats = HeartbeatWiring(sock, peers, token)
     os.environ.update(RANK=str(layout.shard), WORLD_SIZE=str(ranks_per_replica),
                       MASTER_ADDR=address[0], MASTER_PORT=str(address[1]))
     _PLACEMENT = layout
-    return ReplicaWorld(layout, store, procs)
+    return ReplicaWorld(layout, store, procs, beats)

@@ -17,14 +17,13 @@ def build_world(job_config, placement, procs: Sequence[ProcessInfo] = (),
     collectives/join.py). Built right after the bootstrap, before the model: a death while the
     trainer builds the model, the data and loads a checkpoint is then an ordinary death found
     by step 1's collectives, not a failed MPI call of the start-up."""
-    from recover_hsdp.collectives import MPI, Deadlines, FaultTolerantWorld
+    from recover_hsdp.collectives import MPI, FaultTolerantWorld
+    from recover_hsdp.manager.replica_group import job_deadlines
 
-    hang = job_config.recover.hang_timeout_s
     run = procs[0] if procs else None  # rank 0's process names the run: claims never mix runs
     arbiter = (Path(job_config.job.dump_folder) / "membership" / f"{run.host}-{run.pid}-{run.start}"
                if run else None)
-    deadlines = Deadlines(call_s=2 * hang + 30, repair_s=3 * hang + 30, hang_timeout_s=hang,
-                          retire_grace_s=min(2.0, hang / 4))
+    deadlines = job_deadlines(job_config)  # ordered: [Note: a replica leaves as a unit]
     if newcomer:
         world = FaultTolerantWorld.newcomer(placement.ranks_per_replica, deadlines,
                                             arbiter_dir=arbiter)
@@ -48,6 +47,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
     the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
     rank's ``faults``. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap)."""
     from recover_hsdp.config import data_ranks_per_replica, microbatches_per_replica
+    from recover_hsdp.manager.replica_group import active_heartbeat
     from recover_hsdp.recovery import BucketSync, local_parameter_checksum
 
     rc, training = job_config.recover, job_config.training
@@ -69,4 +69,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
         consistency_check_interval=rc.consistency_check_interval,
         parameter_checksum=lambda: local_parameter_checksum(model), procs=procs,
         respawn_after_steps=rc.respawn_after_steps)
+    heartbeat = active_heartbeat()
+    if heartbeat is not None:  # a rank leaving normally says goodbye to its replica peers
+        world.on_leave = heartbeat.stand_down
     return manager

@@ -3,12 +3,16 @@
 [Note: replica-local errors] An error inside a replica (forward, backward, the all-reduce hook,
 the optimizer; an OOM; a gloo error because a peer of the replica died) is turned into the
 death of this rank, like the hang watchdog turns a hang into one: a replica lives or dies as a
-unit, and a death is what every layer already handles. Its peers in the replica see their
-intra-replica collective fail at once (the kernel closes the dead process's sockets; a live
-process blocked in gloo/NCCL would hold them), take this path or retire at the consensus, and
-the other replicas go on as after any death; nothing they wait for is left alive. Before dying
-the rank writes its reason to ``errors/`` in the output folder (and stderr); the writer puts it
-in events.jsonl with the repair that followed.
+unit, and a death is what every layer already handles. Its peers in the replica learn of it
+in one of three ways, and each ends them within seconds ([Note: a replica leaves as a unit] in
+manager/replica_group.py): their intra-replica collective fails at once when the dead
+process's sockets close (gloo, a process that really died); the MPI world reports the rank
+failed or the consensus excludes the replica; or their replica heartbeat finds it silent for
+``detect_timeout_s`` (a frozen process or a cut link keeps gloo waiting until its timeout,
+and a NCCL kernel spins on a dead peer: neither fails "at once"). Then they take this path or
+retire at the consensus, and the other replicas go on as after any death; nothing they wait
+for is left alive. Before dying the rank writes its reason to ``errors/`` in the output folder
+(and stderr); the writer puts it in events.jsonl with the repair that followed.
 """
 
 from __future__ import annotations
@@ -46,15 +50,7 @@ class FailureLog:
                   "rank": world.world_rank, "reason": reason, "time": time.time()}
         print(f"[recover-hsdp] replica {world.replica} shard {world.shard}: error inside the "
               f"replica at step {step}, this rank leaves: {reason}", flush=True)
-        try:
-            folder = self.out_dir / "errors"
-            folder.mkdir(parents=True, exist_ok=True)
-            with open(folder / f"rank{world.world_rank}.json", "w") as handle:
-                handle.write(json.dumps(record) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-        except OSError:
-            pass  # the reason is on stderr
+        write_reason(self.out_dir, record)
         self.die()
         raise AssertionError("die() returned")
 
@@ -79,6 +75,19 @@ class FailureLog:
             "alive_replicas": list(result.alive_replicas), "detect_s": result.detect_s,
             "repair_s": result.repair_s, "repair_rounds": result.rounds,
             "errors": self.reasons(dead), **unread_streams(policy, dead)})
+
+
+def write_reason(out_dir: str | Path, record: dict[str, Any]) -> None:
+    """``errors/rank<N>.json`` in ``out_dir``: why rank N left (safe from any thread)."""
+    try:
+        folder = Path(out_dir) / "errors"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"rank{record['rank']}.json", "w") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError:
+        pass  # the reason is on stderr
 
 
 def unread_streams(policy: WorkloadPolicy, dead) -> dict[str, Any]:

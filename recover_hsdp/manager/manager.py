@@ -148,7 +148,7 @@ class RecoverManager:
         self._decided_at = 0.0
         bucket_sync.on_bucket = self._bucket_point
         world.on_phase = self._consensus_point  # the consensus's stages are points of it
-        world.on_failed = self.processes.end_failed  # a frozen rank on this host: ended at once
+        world.on_failed = self._on_failed
 
     # ---------------------------------------------------------------- this rank
 
@@ -235,6 +235,17 @@ class RecoverManager:
         except Exception as err:  # noqa: BLE001 - any error inside the replica: it leaves
             self.replica_error(step, one_line(err))
         return sync_started
+
+    def _on_failed(self, ranks: list[int]) -> None:
+        """A failed MPI call named failed ``ranks``: frozen ones on this host are ended at once
+        ([Note: nothing left behind]); one of this replica makes this rank leave now, before
+        it blocks in its next intra-replica collective ([Note: a replica leaves as a unit])."""
+        self.processes.end_failed(ranks)
+        size = self.world.layout.ranks_per_replica
+        mine = [r for r in ranks if r // size == self.replica and r != self.world.world_rank]
+        if mine:
+            self.replica_error(self._current_step, f"rank {mine[0]} of this replica failed "
+                                                   "(reported by MPI)")
 
     def replica_error(self, step: int, reason: str) -> NoReturn:
         """[Note: replica-local errors] (manager/failures.py): this rank leaves."""

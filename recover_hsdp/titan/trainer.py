@@ -34,6 +34,7 @@ from recover_hsdp.errors import one_line
 from recover_hsdp.faults import Phase
 from recover_hsdp.manager import build_injector_for, build_manager, build_world
 from recover_hsdp.manager.bootstrap import NEWCOMER_ENV, bootstrap_replica, newcomer_placement
+from recover_hsdp.manager.replica_group import init_replica_group
 from recover_hsdp.recovery.staging import HostStaging, to_host
 from recover_hsdp.titan.metrics import full_tensors
 from recover_hsdp.titan.sources import SampleLog
@@ -107,11 +108,9 @@ class RecoverTrainer(Trainer):
 
     def init_distributed(self) -> ParallelDims:
         layout = self.replica_world.layout
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(
-            backend, store=self.replica_world.store, rank=layout.shard,
-            world_size=layout.ranks_per_replica,
-            timeout=timedelta(seconds=self.job_config.comm.init_timeout_seconds))
+        # timeouts ordered against MPI's, and the replica heartbeat: [Note: a replica leaves
+        # as a unit] (manager/replica_group.py)
+        init_replica_group(self.replica_world, self.job_config, lambda: getattr(self, "step", 0))
         if not self._joining:  # the replica's group exists, the model does not yet
             self._faults.at(0, Phase.STARTUP)
         parallelism = self.job_config.parallelism  # [Note: replica layout] (config.py)

@@ -1,0 +1,163 @@
+"""The replica heartbeat ([Note: a replica leaves as a unit]) and the rendezvous address rule
+([Note: rendezvous address]), without MPI: a fake clock for the logic, real UDP sockets on
+loopback with short periods for the thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from recover_hsdp.manager import rendezvous
+from recover_hsdp.manager.replica_group import group_timeout_s, job_deadlines
+from recover_hsdp.manager.replica_heartbeat import ReplicaHeartbeat, open_socket
+
+TOKEN = b"12345678"
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def _pair_logic(clock, timeout=4.0):
+    a, b = open_socket("127.0.0.1"), open_socket("127.0.0.1")
+    lost = []
+    beat_a = ReplicaHeartbeat(a, 0, {1: b.getsockname()}, TOKEN, period_s=1.0, timeout_s=timeout,
+                              on_lost=lambda *x: lost.append(x), clock=clock)
+    beat_b = ReplicaHeartbeat(b, 1, {0: a.getsockname()}, TOKEN, period_s=1.0, timeout_s=timeout,
+                              on_lost=lambda *x: lost.append(x), clock=clock)
+    return beat_a, beat_b
+
+
+def test_a_silent_peer_is_lost_after_the_timeout_and_not_before():
+    clock = _Clock()
+    a, b = _pair_logic(clock)
+    for _ in range(3):  # both beat every second for 3 s
+        clock.now += 1.0
+        a.received(b.message(), clock.now)
+        assert a.overdue(clock.now) is None
+    for _ in range(4):  # then b falls silent; a keeps checking every second
+        clock.now += 1.0
+        assert a.overdue(clock.now) is None  # silent 4 s: not yet (> timeout)
+    clock.now += 0.5
+    assert a.overdue(clock.now) == (1, pytest.approx(4.5))
+    a.sock.close(), b.sock.close()
+
+
+def test_foreign_datagrams_and_goodbyes():
+    clock = _Clock()
+    a, b = _pair_logic(clock)
+    other = ReplicaHeartbeat(open_socket("127.0.0.1"), 1, {0: a.sock.getsockname()}, b"abcdefgh",
+                             period_s=1.0, timeout_s=4.0, on_lost=print, clock=clock)
+    for _ in range(10):  # another job's beats (wrong token) and garbage keep nobody alive
+        clock.now += 1.0
+        a.received(other.message(), clock.now)
+        a.received(b"garbage", clock.now)
+        a.overdue(clock.now)
+    assert a.overdue(clock.now)[0] == 1
+    a.received(b.message(1), clock.now)  # a goodbye: b is never lost after it
+    clock.now += 100.0
+    assert a.overdue(clock.now) is None
+    for beat in (a, b, other):
+        beat.sock.close()
+
+
+def test_a_thread_that_could_not_run_does_not_blame_its_peers():
+    """This process was stopped (or starved) 10 s: the silence it could not hear is no
+    evidence; its peer is lost only if it stays silent for a timeout afterwards."""
+    clock = _Clock()
+    a, b = _pair_logic(clock)
+    a.overdue(clock.now)
+    clock.now += 10.0
+    assert a.overdue(clock.now) is None
+    for _ in range(4):
+        clock.now += 1.0
+        assert a.overdue(clock.now) is None
+    clock.now += 1.0
+    assert a.overdue(clock.now)[0] == 1
+    a.sock.close(), b.sock.close()
+
+
+def _threads(n=2, period=0.05, timeout=0.4):
+    socks = [open_socket("127.0.0.1") for _ in range(n)]
+    lost: dict[int, list] = {i: [] for i in range(n)}
+    beats = [ReplicaHeartbeat(socks[i], i, {j: socks[j].getsockname() for j in range(n) if j != i},
+                              TOKEN, period_s=period, timeout_s=timeout,
+                              on_lost=lambda s, t, i=i: lost[i].append((s, t)))
+             for i in range(n)]
+    return [b.start() for b in beats], lost
+
+
+def test_real_sockets_a_frozen_peer_is_lost_a_busy_one_is_not_a_goodbye_ends_cleanly():
+    beats, lost = _threads(3)
+    deadline = time.monotonic() + 1.2  # 3 x timeout of pure-Python compute holding the GIL
+    x = 0
+    while time.monotonic() < deadline:
+        x += 1
+    assert lost == {0: [], 1: [], 2: []}
+    beats[2].stand_down(say_goodbye=False)  # rank 2 freezes: silent, no goodbye
+    time.sleep(0.8)
+    assert [s for s, _ in lost[0]] == [2] and [s for s, _ in lost[1]] == [2], lost
+    assert 0.4 < lost[0][0][1] < 0.7, lost
+    beats[0].stand_down(), beats[1].stand_down()
+
+    beats, lost = _threads(2)
+    time.sleep(0.2)
+    beats[0].stand_down()  # leaves normally: its peer must never fire
+    time.sleep(0.8)
+    assert lost == {0: [], 1: []}
+    beats[1].stand_down()
+    assert not any(t.name == "recover-hsdp-replica-heartbeat" and t.is_alive()
+                   for t in threading.enumerate())
+
+
+def test_timers_are_ordered():
+    class Recover:
+        hang_timeout_s, detect_timeout_s = 300.0, 4.0
+
+    class Job:
+        recover = Recover()
+
+    deadlines = job_deadlines(Job())
+    timeout = group_timeout_s(deadlines, 4.0)
+    assert 4.0 < 300.0 < deadlines.call_s < deadlines.repair_s < timeout
+    assert timeout > deadlines.call_s + deadlines.repair_s
+
+
+def _host(name, *pairs):
+    return rendezvous.HostAddresses(name, tuple(pairs))
+
+
+def test_rendezvous_address_rule(monkeypatch):
+    here = _host("a", ("eth0", "10.0.0.1"), ("docker0", "172.17.0.1"))
+    peer = _host("b", ("docker0", "172.17.0.1"), ("eth0", "10.0.0.2"))
+    assert rendezvous.local_address([here, _host("a")], 0) == ("127.0.0.1", None)  # one host
+    routes = {"10.0.0.2": "10.0.0.1", "172.17.0.1": "172.17.0.1"}
+    monkeypatch.setattr(rendezvous, "route_source", routes.get)
+    # docker0 is on both hosts: skipped; eth0 routes to the peer
+    assert rendezvous.local_address([here, peer], 0) == ("10.0.0.1", "eth0")
+    assert rendezvous.store_address([here, peer], 0, env={}) == "10.0.0.1"
+    assert rendezvous.store_address([here, peer], 0,
+                                    env={rendezvous.STORE_HOST_ENV: "10.9.9.9"}) == "10.9.9.9"
+    with pytest.raises(ValueError, match="loopback"):
+        rendezvous.store_address([here, peer], 0, env={rendezvous.STORE_HOST_ENV: "127.0.1.1"})
+    lonely = _host("a", ("eth0", "192.168.5.5"))
+    monkeypatch.setattr(rendezvous, "route_source", lambda address: "127.0.0.1")
+    with pytest.raises(ValueError, match="no address of host a .* routes to its replica peers"):
+        rendezvous.local_address([lonely, peer], 0)
+
+
+def test_mpi_interface_filter():
+    env = {"OMPI_MCA_btl_tcp_if_include": "10.231.21.0/24,ib0"}
+    assert rendezvous.mpi_uses("eth0", "10.231.21.3", env)
+    assert rendezvous.mpi_uses("ib0", "192.168.0.1", env)
+    assert not rendezvous.mpi_uses("eth1", "192.168.0.1", env)
+    assert not rendezvous.mpi_uses("docker0", "172.17.0.1",
+                                   {"OMPI_MCA_btl_tcp_if_exclude": "docker0,lo"})
+    assert rendezvous.mpi_uses("eth0", "10.0.0.1", {})
+    assert all(not a.startswith("127.") for a in rendezvous.this_host().addresses)
