@@ -1,8 +1,11 @@
 """Process entry point: ``python -m recover_hsdp.train --job.config_file FILE [overrides]``.
 
-Run under mpirun (``[recover] enable = true``: ``RecoverTrainer``, one MPI rank per device) or
-torchrun (``enable = false``: TorchTitan's own ``Trainer``, stock HSDP). ``recover-hsdp train`` builds these command lines. A bad configuration stops
-every rank with one line on stderr and exit code 2.
+Run under mpirun (``[recover] enable = true``: ``RecoverTrainer``, one MPI rank per device) or,
+for ``enable = false`` (TorchTitan's own ``Trainer``, stock HSDP), under torchrun on one host or
+mpirun across hosts (``RECOVER_HSDP_STOCK=1``: torch's env:// variables from mpirun's).
+``recover-hsdp train`` builds these command lines. Under mpirun on a CUDA host the rank's device
+is checked first ([Note: GPU placement]). A bad configuration stops every rank with one line on
+stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -23,9 +26,39 @@ def _config_file(argv: list[str]) -> str | None:
     return None
 
 
+STOCK_ENV = "RECOVER_HSDP_STOCK"
+"""Set by ``recover-hsdp train --stock --hostfile``: stock TorchTitan launched by mpirun across
+hosts; its ranks read torch's env:// variables from mpirun's and never initialise MPI."""
+
+
+def torch_env_from_mpirun(environ=os.environ) -> None:
+    """RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE from mpirun's OMPI_COMM_WORLD_*
+    (MASTER_ADDR / MASTER_PORT come from the launcher)."""
+    for name, source in (("RANK", "RANK"), ("WORLD_SIZE", "SIZE"), ("LOCAL_RANK", "LOCAL_RANK"),
+                         ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")):
+        environ[name] = environ[f"OMPI_COMM_WORLD_{source}"]
+
+
+def _own_device() -> bool:
+    """Whether each rank of this host sees a CUDA_VISIBLE_DEVICES no other rank of the host
+    sees (a per-rank setting): a collective over the host's ranks."""
+    from recover_hsdp.collectives.mpi import MPI
+
+    host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        names = host.allgather(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    finally:
+        host.Free()
+    return None not in names and len(set(names)) == len(names)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:  # launched by mpirun: one rank per device
+    mpirun = "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ
+    stock = os.environ.get(STOCK_ENV) == "1"
+    if mpirun and stock:
+        torch_env_from_mpirun()
+    elif mpirun:  # launched by mpirun: one rank per device
         os.environ.setdefault("LOCAL_RANK", os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
         # MPI_Init first, before the seconds of torch imports: the heartbeat detector
         # (recover.detect_timeout_s) then runs on every rank from the start, and start-up skew
@@ -43,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
         from torchtitan.config import ConfigManager
 
         recover = getattr(ConfigManager().parse_args(argv), "recover", None)
+        if mpirun:  # [Note: GPU placement]: the device checked against the visible ones
+            from recover_hsdp.titan.devices import select_device
+
+            select_device(recover.ranks_per_replica if recover is not None else 1,
+                          own_device=None if stock else _own_device)
         if recover is not None and recover.enable:
             from recover_hsdp.titan.trainer import RecoverTrainer as trainer_class
         else:

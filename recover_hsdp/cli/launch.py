@@ -13,9 +13,12 @@ anything starts, with one line naming the field and the fix, and exit code 2.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -29,8 +32,10 @@ from recover_hsdp.config import (
     validate,
 )
 from recover_hsdp.outputs import clear_run_files
-from recover_hsdp.collectives.mpirun import (check_ulfm_mpirun, default_mpirun,
-                                             heartbeat_detector_args, mpirun_prefix)
+from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, GPUS_PER_NODE_ENV, RANKS_PER_GPU_ENV,
+                                             check_ulfm_mpirun, default_mpirun,
+                                             gpu_placement_args, heartbeat_detector_args,
+                                             job_environment, mpirun_prefix)
 from recover_hsdp.collectives.processes import kill_local, read_registry
 
 
@@ -128,17 +133,76 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
     from recover_hsdp.titan.model_spec import check_model_parallelism
 
     check_model_parallelism(job)
-    if args.stock:
-        torchrun = _tool("torchrun") or "torchrun"
-        launcher = [torchrun, "--standalone", "--nproc_per_node", str(ranks)]
-    else:
-        threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **OFFLINE}
-        extra = [*heartbeat_detector_args(job.recover.detect_timeout_s), *args.mpi_arg]
-        if args.hostfile:
-            extra += ["--hostfile", str(args.hostfile)]
-        launcher = [*mpirun_prefix(ranks, mpirun=resolve_mpirun(), env=threads, extra=extra),
-                    sys.executable]
+    launcher = _launcher(args, job, ranks)
     return [*launcher, "-m", "recover_hsdp.train", *train], out
+
+
+def _launcher(args: argparse.Namespace, job, ranks: int) -> list[str]:
+    """The launcher part of the command line, up to the program ([Note: GPU placement] in
+    collectives/mpirun.py): ReCoVer through ULFM mpirun; ``--stock`` through torchrun on one
+    host, or through a plain mpirun with torch's env:// variables across a ``--hostfile``."""
+    gpus = _gpus_per_node(args)
+    if args.stock and not args.hostfile:
+        torchrun = _tool("torchrun") or "torchrun"
+        return [torchrun, "--standalone", "--nproc_per_node", str(ranks)]
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **OFFLINE}
+    extra = [] if args.stock else heartbeat_detector_args(job.recover.detect_timeout_s)
+    if gpus:
+        env[GPUS_PER_NODE_ENV] = str(gpus)
+        if args.ranks_per_gpu > 1:
+            env[RANKS_PER_GPU_ENV] = str(args.ranks_per_gpu)
+        if not any(a.startswith("--map-by") for a in args.mpi_arg):
+            extra += gpu_placement_args(gpus, args.ranks_per_gpu)
+    if args.stock:
+        env.update({"RECOVER_HSDP_STOCK": "1", "MASTER_ADDR": _master_addr(args),
+                    "MASTER_PORT": str(args.master_port)})
+    passed = {k: v for k, v in job_environment(os.environ).items() if k not in env}
+    env.update(passed)
+    env[EXPORTED_ENV] = ",".join(sorted(env))  # a spawned newcomer gets the same
+    extra += list(args.mpi_arg)
+    if args.hostfile:
+        extra += ["--hostfile", str(args.hostfile)]
+    return [*mpirun_prefix(ranks, mpirun=resolve_mpirun(), env=env, extra=extra,
+                           oversubscribe=not gpus, ulfm=not args.stock), sys.executable]
+
+
+def _gpus_per_node(args: argparse.Namespace) -> int:
+    """``--gpus-per-node``, else the CUDA devices of the launching host (0: a CPU layout)."""
+    if args.gpus_per_node is not None:
+        return args.gpus_per_node
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def hostfile_hosts(path: str | Path) -> list[str]:
+    """The host names of an Open MPI hostfile, in order (comments and ``slots=`` dropped)."""
+    hosts = []
+    for line in Path(path).read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if words:
+            hosts.append(words[0])
+    return hosts
+
+
+def _master_addr(args: argparse.Namespace) -> str:
+    """Stock across hosts: the address of the hostfile's first host (rank 0 runs there), or
+    ``--master-addr``; refused when it is a loopback address and other hosts must reach it."""
+    if args.master_addr:
+        return args.master_addr
+    hosts = hostfile_hosts(args.hostfile)
+    if not hosts:
+        raise ConfigError(f"--hostfile {args.hostfile}: no hosts in it")
+    try:
+        address = socket.getaddrinfo(hosts[0], None, socket.AF_INET)[0][4][0]
+    except OSError as err:
+        raise ConfigError(f"--stock: cannot resolve the first host {hosts[0]!r} of --hostfile "
+                          f"({err}): put its address in the hostfile or pass --master-addr") from None
+    if ipaddress.ip_address(address).is_loopback and len(set(hosts)) > 1:
+        raise ConfigError(f"--stock: the first host {hosts[0]!r} of --hostfile resolves to the "
+                          f"loopback address {address} here, which the other hosts cannot reach: "
+                          "put its address in the hostfile or pass --master-addr")
+    return address
 
 
 def supervise(command: list[str], env: dict, out: Path, end_grace_s: float) -> int:
@@ -204,6 +268,18 @@ def _parser() -> argparse.ArgumentParser:
                             "[,mode=sigkill|exit|hang|stop|raise][,bucket=B][,at=POINT] (repeatable)")
     train.add_argument("--hostfile", default=None,
                        help="mpirun hostfile (multi-node; one rank per device)")
+    train.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                       help="GPU hosts: one rank per GPU, --map-by ppr:G:node, no "
+                            "--oversubscribe (default: the launching host's CUDA devices; 0: a "
+                            "CPU layout)")
+    train.add_argument("--ranks-per-gpu", type=int, default=1, metavar="K",
+                       help="allow K ranks to share one GPU (e.g. a check on a 1-GPU machine; "
+                            "default 1: more ranks than GPUs on a host is refused)")
+    train.add_argument("--master-addr", default=None,
+                       help="--stock --hostfile: the rendezvous address of rank 0 (default: "
+                            "the address of the hostfile's first host)")
+    train.add_argument("--master-port", type=int, default=random.randint(29500, 29999),
+                       help="--stock --hostfile: the rendezvous port (default: 29500-29999)")
     train.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
                        help="one more mpirun argument, e.g. --mpi-arg=--prtemca "
                             "--mpi-arg=plm_ssh_agent --mpi-arg=AGENT (repeatable)")

@@ -12,6 +12,15 @@ Every fault-tolerant job of this project (the trainer, the tests, the benchmarks
   self-deadlock after a death in 7/18 runs and false "reported dead" aborts of live ranks.
 * ``-x OMP_NUM_THREADS=1``: one MPI rank per device; CPU threads oversubscribe small hosts otherwise.
 
+[Note: GPU placement] On GPU hosts (``recover-hsdp train`` finds CUDA on the launching host, or
+is told ``--gpus-per-node G``) a job runs one rank per GPU: ``--map-by ppr:G:node`` fills each host
+of the hostfile with G ranks, ``--oversubscribe`` is NOT passed (a host with fewer slots is
+refused by mpirun instead of piling ranks onto it), and each rank picks ``cuda:<local rank>``
+only after :func:`device_index` checked it against the devices it sees; one setting,
+``RECOVER_HSDP_RANKS_PER_GPU``, allows several ranks per GPU. A spawned newcomer takes the
+device of the rank it replaces (world rank mod G) and the job's environment
+(:func:`job_environment`). On CPU hosts nothing changes (``--oversubscribe`` stays).
+
 Note that mpirun's exit code does not say whether a rank failed (0 after a SIGKILLed rank): track deaths
 in the application's own outputs.
 """
@@ -70,18 +79,22 @@ def default_mpirun() -> str:
 
 
 def mpirun_prefix(nprocs: int | None = None, *, mpirun: str | None = None, oversubscribe: bool = True,
-                  env: Mapping[str, str] | None = None, extra: Sequence[str] = ()) -> list[str]:
+                  env: Mapping[str, str] | None = None, extra: Sequence[str] = (),
+                  ulfm: bool = True) -> list[str]:
     """The argument list up to (not including) the program: ``mpirun --with-ft ulfm ... [-np N]``.
 
     Args:
         nprocs: Adds ``-np nprocs`` when given (R * S for an HSDP job).
         mpirun: The mpirun executable (name or path).
-        oversubscribe: Allow more ranks than cores (CPU tests and small boxes).
+        oversubscribe: Allow more ranks than cores (CPU tests and small boxes; never on GPU hosts:
+            [Note: GPU placement]).
         env: Extra environment variables exported to every rank (``-x NAME=VALUE``);
             ``OMP_NUM_THREADS=1`` is always exported unless overridden here.
         extra: More mpirun arguments (e.g. ``heartbeat_detector_args()``, ``--host ...``).
+        ulfm: The ULFM flags (False: a plain launch, e.g. the stock baseline across hosts, whose
+            ranks do not use MPI and must end the job when one fails).
     """
-    args = [mpirun or default_mpirun(), *ULFM_MCA]
+    args = [mpirun or default_mpirun(), *(ULFM_MCA if ulfm else ())]
     if oversubscribe:
         args.append("--oversubscribe")
     if os.geteuid() == 0:
@@ -93,6 +106,70 @@ def mpirun_prefix(nprocs: int | None = None, *, mpirun: str | None = None, overs
     if nprocs is not None:
         args += ["-np", str(nprocs)]
     return args
+
+
+# ---------------------------------------------------------------- placement on GPU hosts
+
+RANKS_PER_GPU_ENV = "RECOVER_HSDP_RANKS_PER_GPU"
+"""The one setting that lets several ranks share a GPU (``recover-hsdp train --ranks-per-gpu``;
+for a check on a 1-GPU machine). Default 1: a host with more ranks than GPUs is refused."""
+GPUS_PER_NODE_ENV = "RECOVER_HSDP_GPUS_PER_NODE"
+EXPORTED_ENV = "RECOVER_HSDP_EXPORTED"
+"""Comma-separated names the launcher exported with ``-x``: a spawned newcomer gets them too."""
+
+JOB_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "PATH", "PYTHONPATH",
+                 "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT")
+JOB_ENV_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "HF_", "RECOVER_HSDP_")
+
+
+def job_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables every rank of a job inherits: the launcher exports them (``-x``) and a
+    rank spawned later (rejoin) gets the same from its spawner: CUDA_VISIBLE_DEVICES, NCCL_*,
+    TORCH_*, GLOO_*, HF_*, RECOVER_HSDP_*, LD_LIBRARY_PATH, PATH, PYTHONPATH, OMP_NUM_THREADS,
+    and every name listed in ``RECOVER_HSDP_EXPORTED``. (Open MPI's own OMPI_*/PMIX_*/PRTE_*
+    variables are the spawned job's own and are never copied.) The newcomer marker
+    ``RECOVER_HSDP_NEWCOMER`` is the caller's to set."""
+    listed = {n for n in environ.get(EXPORTED_ENV, "").split(",") if n}
+    return {k: v for k, v in environ.items()
+            if (k in listed or k in JOB_ENV_NAMES or k.startswith(JOB_ENV_PREFIXES))
+            and not k.startswith(("OMPI_", "PMIX_", "PRTE_")) and k != "RECOVER_HSDP_NEWCOMER"}
+
+
+def gpu_placement_args(gpus_per_node: int, ranks_per_gpu: int = 1) -> list[str]:
+    """mpirun placement on GPU hosts ([Note: GPU placement]): ``ranks_per_gpu`` ranks per GPU
+    on every host, filled host by host, and no mpirun binding (each rank binds itself to its
+    GPU's NUMA node: ``recover_hsdp.titan.devices``)."""
+    return ["--map-by", f"ppr:{gpus_per_node * ranks_per_gpu}:node", "--bind-to", "none"]
+
+
+def device_index(slot: int, slots_on_host: int, visible: int, ranks_per_gpu: int = 1,
+                 own_device: bool = False, visible_names: str | None = None) -> int:
+    """The CUDA device a rank uses ([Note: GPU placement]); ValueError (one line) when the
+    host's ranks and its visible GPUs do not match.
+
+    Args:
+        slot: the rank's place on its host (mpirun's local rank; a newcomer: the place of
+            the rank it replaces).
+        slots_on_host: ranks on this host (mpirun's local size).
+        visible: CUDA devices this process sees (after CUDA_VISIBLE_DEVICES).
+        ranks_per_gpu: ``RECOVER_HSDP_RANKS_PER_GPU``.
+        own_device: this rank sees exactly one device that no other rank of the host sees (a
+            per-rank CUDA_VISIBLE_DEVICES, as Slurm's ``--gpus-per-task`` sets it): device 0.
+        visible_names: CUDA_VISIBLE_DEVICES, for the message.
+    """
+    if own_device and visible == 1:
+        return 0
+    capacity = visible * ranks_per_gpu
+    if slots_on_host > capacity or slot >= capacity:
+        shown = f"CUDA_VISIBLE_DEVICES={visible_names}" if visible_names is not None else \
+            "CUDA_VISIBLE_DEVICES unset"
+        raise ValueError(
+            f"{slots_on_host} ranks on this host (this one is #{slot}) but {visible} visible "
+            f"GPU(s) ({shown}) x {ranks_per_gpu} rank(s) per GPU: give each host "
+            f"'slots=<GPUs>' in the hostfile (recover-hsdp places ppr:<GPUs>:node), or set "
+            f"{RANKS_PER_GPU_ENV}={-(-slots_on_host // max(visible, 1))} "
+            "(recover-hsdp train --ranks-per-gpu) to share GPUs on purpose")
+    return slot // ranks_per_gpu
 
 
 def check_ulfm_mpirun(mpirun: str | None = None) -> str:

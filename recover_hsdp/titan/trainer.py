@@ -28,6 +28,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
+from recover_hsdp.collectives.mpirun import job_environment
 from recover_hsdp.collectives.processes import write_registry
 from recover_hsdp.config import validate
 from recover_hsdp.errors import one_line
@@ -230,10 +231,13 @@ class RecoverTrainer(Trainer):
         self.optimizers.zero_grad()
 
     def spawn_command(self, replicas: list[int]) -> tuple[str, list[str]]:
-        env = {NEWCOMER_ENV: f"{','.join(map(str, replicas))}:"
-                             f"{self.replica_world.layout.replicas}",
-               **{k: os.environ[k] for k in ("OMP_NUM_THREADS", "HF_DATASETS_OFFLINE",
-                                             "HF_HUB_OFFLINE", "PYTHONPATH") if k in os.environ}}
+        """``/usr/bin/env NAME=VALUE ... python -m recover_hsdp.train <this rank's arguments>``:
+        the newcomer gets the job's environment (``job_environment``: what the launcher
+        exported with -x, CUDA_VISIBLE_DEVICES, NCCL_*, LD_LIBRARY_PATH, PATH, ...; MPI_Comm_spawn
+        passes none of it) and the newcomer marker."""
+        env = {**job_environment(os.environ),
+               NEWCOMER_ENV: f"{','.join(map(str, replicas))}:"
+                             f"{self.replica_world.layout.replicas}"}
         return "/usr/bin/env", [*(f"{k}={v}" for k, v in env.items()), sys.executable, "-m",
                                 "recover_hsdp.train", *sys.argv[1:]]
 

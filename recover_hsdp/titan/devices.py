@@ -1,0 +1,89 @@
+"""The CUDA device of an mpirun-launched rank ([Note: GPU placement] in collectives/mpirun.py).
+
+TorchTitan takes ``cuda:<LOCAL_RANK>``; :func:`select_device` sets ``LOCAL_RANK`` to the device
+index this rank may use, checked against the devices it sees, and binds the process to that
+GPU's NUMA node where the host tells it (``/sys/bus/pci/devices/<bus id>/numa_node``). On a
+host without CUDA it does nothing. GPU-only code: not run on this project's CPU machines.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+from recover_hsdp.collectives.mpirun import GPUS_PER_NODE_ENV, RANKS_PER_GPU_ENV, device_index
+from recover_hsdp.config import ConfigError
+
+NEWCOMER_ENV = "RECOVER_HSDP_NEWCOMER"  # recover_hsdp.manager.bootstrap's marker
+
+
+def rank_slot(environ: Mapping[str, str], world_rank: int, ranks_per_replica: int
+              ) -> tuple[int, int]:
+    """(slot, slots on host) of this rank: mpirun's local rank and local size; a spawned
+    newcomer (its ``world_rank`` is its rank among the spawned) takes the slot of the rank it
+    replaces: that rank's world rank mod the ranks per node ``ppr:G*k:node`` placed (G and k
+    exported by the launcher; without them, the newcomer's own local rank)."""
+    local, size = (int(environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+                   int(environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)))
+    marker = environ.get(NEWCOMER_ENV)
+    per_node = int(environ.get(GPUS_PER_NODE_ENV, 0) or 0) * \
+        int(environ.get(RANKS_PER_GPU_ENV, 1) or 1)
+    if not marker or per_node <= 0:
+        return local, size
+    ids = [int(r) for r in marker.split(":")[0].split(",")]
+    replica, shard = divmod(world_rank, ranks_per_replica)
+    replaced = ids[replica] * ranks_per_replica + shard
+    return replaced % per_node, per_node
+
+
+def select_device(ranks_per_replica: int, own_device=None) -> int | None:
+    """Under mpirun on a CUDA host: check and set this rank's device (``LOCAL_RANK``) and bind
+    it to the device's NUMA node. ``own_device``: callable telling whether this rank's single
+    visible device is its own (a per-rank CUDA_VISIBLE_DEVICES; checked over MPI by the
+    caller). Raises ConfigError (one line) on a mismatch. None when there is no CUDA."""
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0 or "OMPI_COMM_WORLD_LOCAL_RANK" not in os.environ:
+        return None
+    env = os.environ
+    slot, slots = rank_slot(env, int(env.get("OMPI_COMM_WORLD_RANK", 0)), ranks_per_replica)
+    # every rank of the host asks (a collective in the caller), whatever it sees
+    per_rank = bool(own_device()) if own_device is not None and slots > 1 else False
+    try:
+        index = device_index(slot, slots, visible, int(env.get(RANKS_PER_GPU_ENV, "1")),
+                             own_device=per_rank, visible_names=env.get("CUDA_VISIBLE_DEVICES"))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    env["LOCAL_RANK"] = str(index)
+    bind_to_numa_node(index)
+    return index
+
+
+def bind_to_numa_node(index: int) -> list[int] | None:
+    """Restrict this process to the CPUs of device ``index``'s NUMA node, where the host says
+    which that is; returns the CPUs, or None (unknown: left as it is)."""
+    import torch
+
+    try:
+        props = torch.cuda.get_device_properties(index)
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        node = int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text())
+        if node < 0:
+            return None
+        cpus = parse_cpulist(Path(f"/sys/devices/system/node/node{node}/cpulist").read_text())
+        os.sched_setaffinity(0, cpus)
+        return cpus
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """Linux cpulist syntax ("0-3,8,10-11") -> CPU ids."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus += range(int(lo), int(hi or lo) + 1)
+    return cpus

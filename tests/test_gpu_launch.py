@@ -1,0 +1,154 @@
+"""[Note: GPU placement] (collectives/mpirun.py) as fast unit tests: the command lines the launcher
+builds for GPU hosts, the stock baseline across hosts and on CPU, the device check and its
+one-line refusal, and the environment a spawned newcomer gets. No GPU needed (and none used)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from conftest import DEBUG_CONFIG
+from recover_hsdp.cli.launch import _parser, build_command, hostfile_hosts
+from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, device_index, gpu_placement_args,
+                                             job_environment)
+from recover_hsdp.config import ConfigError
+from recover_hsdp.titan.devices import NEWCOMER_ENV, parse_cpulist, rank_slot
+
+BATCH = ["--", "--training.global_batch_size", "32"]
+
+
+def _command(tmp_path, *flags, replicas=2, ranks=8):
+    args = _parser().parse_args(["train", "--config", str(DEBUG_CONFIG), "--replicas",
+                                 str(replicas), "--ranks-per-replica", str(ranks), "--out",
+                                 str(tmp_path / "out"), *flags, *BATCH])
+    return build_command(args)[0]
+
+
+def _exported(command) -> dict[str, str]:
+    return dict(command[i + 1].split("=", 1) for i, a in enumerate(command) if a == "-x")
+
+
+def _hostfile(tmp_path, *hosts):
+    path = tmp_path / "hostfile"
+    path.write_text("# nodes\n" + "".join(f"{h} slots=8\n" for h in hosts))
+    return str(path)
+
+
+def test_gpu_hosts_get_one_rank_per_gpu_and_no_oversubscribe(tmp_path):
+    hostfile = _hostfile(tmp_path, "10.9.0.1", "10.9.0.2")
+    command = _command(tmp_path, "--gpus-per-node", "8", "--hostfile", hostfile)
+    line = " ".join(command)
+    assert "--map-by ppr:8:node --bind-to none" in line
+    assert "--oversubscribe" not in command
+    assert f"--hostfile {hostfile}" in line and "--with-ft ulfm" in line
+    assert command[command.index("-np") + 1] == "16"
+    exported = _exported(command)
+    assert exported["RECOVER_HSDP_GPUS_PER_NODE"] == "8"
+    assert "RECOVER_HSDP_RANKS_PER_GPU" not in exported
+    assert set(exported[EXPORTED_ENV].split(",")) >= {"OMP_NUM_THREADS", "PATH"}
+
+
+def test_several_ranks_per_gpu_only_when_asked(tmp_path):
+    command = _command(tmp_path, "--gpus-per-node", "1", "--ranks-per-gpu", "2",
+                       replicas=2, ranks=1)
+    assert "ppr:2:node" in " ".join(command)
+    assert _exported(command)["RECOVER_HSDP_RANKS_PER_GPU"] == "2"
+
+
+def test_cpu_hosts_keep_oversubscribe_and_no_placement(tmp_path):
+    command = _command(tmp_path, "--gpus-per-node", "0", replicas=2, ranks=1)
+    assert "--oversubscribe" in command and "--map-by" not in command
+
+
+def test_stock_across_hosts_is_a_plain_mpirun_with_torch_env(tmp_path):
+    hostfile = _hostfile(tmp_path, "10.9.0.7", "10.9.0.8")
+    command = _command(tmp_path, "--stock", "--gpus-per-node", "0", "--hostfile", hostfile,
+                       "--master-port", "29611", replicas=2, ranks=1)
+    assert "torchrun" not in " ".join(command) and "--with-ft" not in command
+    exported = _exported(command)
+    assert exported["MASTER_ADDR"] == "10.9.0.7" and exported["MASTER_PORT"] == "29611"
+    assert exported["RECOVER_HSDP_STOCK"] == "1"
+    assert "--recover.no-enable" in command and "--hostfile" in command
+
+
+def test_stock_on_one_host_stays_torchrun(tmp_path):
+    command = _command(tmp_path, "--stock", replicas=2, ranks=1)
+    assert command[1:4] == ["--standalone", "--nproc_per_node", "2"]
+
+
+def test_stock_refuses_a_loopback_first_host(tmp_path):
+    args = _parser().parse_args(["train", "--config", str(DEBUG_CONFIG), "--replicas", "2",
+                                 "--ranks-per-replica", "1", "--stock", "--gpus-per-node", "0",
+                                 "--hostfile", _hostfile(tmp_path, "localhost", "10.9.0.2"),
+                                 "--out", str(tmp_path / "o"), *BATCH])
+    with pytest.raises(ConfigError, match="resolves to the loopback address 127.0.0.1 here"):
+        build_command(args)
+    assert hostfile_hosts(args.hostfile) == ["localhost", "10.9.0.2"]
+
+
+def test_device_check_refuses_more_ranks_than_gpus_in_one_line():
+    assert device_index(3, 8, 8) == 3
+    with pytest.raises(ValueError) as err:
+        device_index(5, 8, 1, visible_names="0")  # a hostfile without slots=8: 8 ranks, 1 GPU
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("8 ranks on this host (this one is #5) but 1 visible GPU(s) "
+                              "(CUDA_VISIBLE_DEVICES=0) x 1 rank(s) per GPU")
+    assert "RECOVER_HSDP_RANKS_PER_GPU=8" in message
+    assert device_index(1, 2, 1, ranks_per_gpu=2) == 0  # the 1-GPU check, on purpose
+    assert device_index(5, 8, 1, own_device=True) == 0  # per-rank CUDA_VISIBLE_DEVICES (Slurm)
+    with pytest.raises(ValueError):
+        device_index(0, 9, 8)
+
+
+def test_a_newcomer_takes_the_device_of_the_rank_it_replaces():
+    from recover_hsdp.manager.bootstrap import NEWCOMER_ENV as BOOTSTRAP_MARKER
+
+    assert NEWCOMER_ENV == BOOTSTRAP_MARKER
+    env = {"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+           NEWCOMER_ENV: "3:4", "RECOVER_HSDP_GPUS_PER_NODE": "4"}
+    # replica 3 of S=2, shard 1: world rank 7, placed 4 per node -> slot 3 of 4
+    assert rank_slot(env, world_rank=1, ranks_per_replica=2) == (3, 4)
+    plain = {"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    assert rank_slot(plain, world_rank=1, ranks_per_replica=2) == (1, 4)
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert gpu_placement_args(8) == ["--map-by", "ppr:8:node", "--bind-to", "none"]
+
+
+def test_spawned_ranks_inherit_the_job_environment(monkeypatch):
+    from recover_hsdp.titan.trainer import RecoverTrainer
+
+    for name, value in {"CUDA_VISIBLE_DEVICES": "0,1", "NCCL_SOCKET_IFNAME": "ib0",
+                        "LD_LIBRARY_PATH": "/opt/x", "HF_HOME": "/data/hf", "MY_FLAG": "7",
+                        "OMPI_COMM_WORLD_RANK": "3", EXPORTED_ENV: "MY_FLAG,OMP_NUM_THREADS",
+                        "OMP_NUM_THREADS": "4", "UNRELATED": "x"}.items():
+        monkeypatch.setenv(name, value)
+    work = types.SimpleNamespace(replica_world=types.SimpleNamespace(
+        layout=types.SimpleNamespace(replicas=4)))
+    program, args = RecoverTrainer.spawn_command(work, [1, 3])
+    assert program == "/usr/bin/env"
+    env = dict(a.split("=", 1) for a in args[:args.index(__import__("sys").executable)])
+    for name in ("CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "LD_LIBRARY_PATH", "HF_HOME",
+                 "MY_FLAG", "OMP_NUM_THREADS", "PATH"):
+        assert name in env, name
+    assert "OMPI_COMM_WORLD_RANK" not in env and "UNRELATED" not in env
+    assert env[NEWCOMER_ENV] == "1,3:4"
+    assert job_environment({"RECOVER_HSDP_NEWCOMER": "1:2"}) == {}
+
+
+def test_stock_ranks_read_torch_env_from_mpirun():
+    from recover_hsdp.train import torch_env_from_mpirun
+
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    torch_env_from_mpirun(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == \
+        ("3", "4", "1", "2")
+
+
+def test_no_cuda_no_device_selection(monkeypatch):
+    from recover_hsdp.titan.devices import select_device
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    assert select_device(1, own_device=lambda: pytest.fail("no collective without CUDA")) is None
