@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 
-import pytest
 import torch
 
 from conftest import DEBUG_CONFIG, REPO, read_jsonl
