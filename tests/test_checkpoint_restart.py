@@ -14,6 +14,7 @@ def _train(out, replicas, ckpt, *extra):
 
 
 def test_restart_with_fewer_replicas_keeps_b_and_trajectory(tmp_path, local_corpus):
+    """Real process: TorchTitan's DCP save by one replica, then a real restart on fewer replicas."""
     ckpt = tmp_path / "ckpt"
     first = _train(tmp_path / "four", 4, ckpt)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-4", "step-8"]

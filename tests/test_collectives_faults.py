@@ -104,6 +104,8 @@ def check(sc: Scenario, job) -> dict:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("key", list(SCENARIOS))
 def test_fault_scenario(key, tmp_path):
+    """Real process: a rank SIGKILLed or hung inside a real ULFM call (all-reduce, Agree, Shrink,
+    rebuild)."""
     sc = SCENARIOS[key]
     job = run_mpi(sc.nprocs, "collectives_worker.py", sc.args(tmp_path), tmp_path, timeout_s=120)
     results = check(sc, job)

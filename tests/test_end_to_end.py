@@ -36,6 +36,8 @@ TWO_KILLS = ["replica=1,step=3,phase=grad_sync", "replica=2,step=6,phase=backwar
 
 
 def test_exact_mode_two_deaths_stays_on_failure_free_trajectory(tmp_path, failure_free):
+    """Real process: two replicas SIGKILLed mid-sync under mpirun; TorchTitan's loss stays the
+    failure-free one."""
     _, steps = _train(tmp_path, "--recover.save_final_params", faults=TWO_KILLS)
     _assert_b_every_step(steps, final_alive=2)
     assert [s["alive_replicas"] for s in steps] == [4, 4, 3, 3, 3, 2, 2, 2, 2, 2]
@@ -51,9 +53,13 @@ def test_exact_mode_two_deaths_stays_on_failure_free_trajectory(tmp_path, failur
     assert summary["alive_replicas"] == 2
 
 
+@pytest.mark.slow  # default suite time: the writer hand-over is proven in-process
 def test_global_rank_0_killed_outputs_move_to_lowest_survivor(tmp_path, local_corpus):
     """Rank 0 dies after step 3 was agreed but before it wrote step 3's records: the new
-    writer writes them (from its own copy) and everything after."""
+    writer writes them (from its own copy) and everything after.
+    Real process: (slow:
+    test_manager_inprocess::test_writer_dies_and_the_next_one_writes_everything proves the hand-
+    over) rank 0's process SIGKILLed mid-run."""
     _, steps = _train(tmp_path, faults=["replica=0,step=3,phase=optimizer"])
     _assert_b_every_step(steps, final_alive=3)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -64,6 +70,7 @@ def test_global_rank_0_killed_outputs_move_to_lowest_survivor(tmp_path, local_co
 
 
 def test_hang_is_detected_within_bound_and_training_continues(tmp_path, local_corpus):
+    """Real process: the hang watchdog's own thread kills a process whose main thread is stuck."""
     hang_timeout = 5
     _, steps = _train(tmp_path, faults=["replica=3,step=3,phase=backward,mode=hang"],
                       hang_timeout=hang_timeout)
@@ -77,7 +84,8 @@ def test_hang_is_detected_within_bound_and_training_continues(tmp_path, local_co
 
 @pytest.mark.slow  # default suite time: the schedule is unit-tested, the kills elsewhere
 def test_paper_like_failure_schedule(tmp_path, local_corpus):
-    """One failure every 3 steps at a seeded random step, until 2 replicas are lost."""
+    """One failure every 3 steps at a seeded random step, until 2 replicas are lost.
+    Real process: the seeded schedule's kills fire in real processes."""
     from recover_hsdp.faults import Phase, paper_schedule
 
     expected = paper_schedule(4, every=3, max_failures=2, phase=Phase.GRAD_SYNC, seed=7)
@@ -95,7 +103,9 @@ def test_paper_like_failure_schedule(tmp_path, local_corpus):
 def test_spare_promoted_when_its_shadowed_replica_dies(tmp_path, failure_free):
     """After replica 1 dies, G = 2: replicas 0 and 2 are majors and 3 is a spare shadowing
     replica 0's ids (exact mode). When replica 0 (global rank 0) dies at step 6, the spare is
-    promoted: no extra microbatch, and the trajectory is still the failure-free one."""
+    promoted: no extra microbatch, and the trajectory is still the failure-free one.
+    Real process: (slow: the promotion is the policy's and the manager's, proven in-process) a
+    spare promoted in a real job."""
     _, steps = _train(tmp_path, faults=["replica=1,step=3,phase=grad_sync",
                                         "replica=0,step=6,phase=grad_sync,bucket=3"])
     _assert_b_every_step(steps, final_alive=2)

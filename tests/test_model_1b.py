@@ -36,6 +36,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_1b_builds_on_meta_and_fsdp_plan_applies():
+    """Real process: TorchTitan's 1B model and FSDP plan in a fresh interpreter (meta device, fake
+    8-rank backend)."""
     result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True,
                             text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -100,7 +102,8 @@ TIED_UNDER_FSDP = textwrap.dedent("""
 
 
 def test_tied_embeddings_survive_fsdp_materialisation_and_train():
-    """Trainer path: meta build -> FSDP plan -> to_empty -> init_weights keeps ONE shared weight."""
+    """Trainer path: meta build -> FSDP plan -> to_empty -> init_weights keeps ONE shared weight.
+    Real process: TorchTitan's materialisation path in a fresh interpreter."""
     result = subprocess.run([sys.executable, "-c", TIED_UNDER_FSDP], cwd=REPO,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -109,7 +112,8 @@ def test_tied_embeddings_survive_fsdp_materialisation_and_train():
 
 @pytest.mark.slow
 def test_1b_forward_backward_on_cpu_short_sequence():
-    """The real 1B model (fp32, tied embeddings) runs forward + backward at seq 64 on CPU."""
+    """The real 1B model (fp32, tied embeddings) runs forward + backward at seq 64 on CPU.
+    Real process: the real 1B model's forward and backward (memory, time)."""
     result = subprocess.run([sys.executable, "-c", FORWARD_BACKWARD], cwd=REPO,
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -127,7 +131,9 @@ def test_1b_config_file_trains_3_steps_on_cpu(tmp_path, local_corpus):
     Overridden, only what this machine cannot have: the 1B flavor (debugmodel), the Llama 3
     tokenizer (the local one) and C4 (a local C4-format copy), bf16 (fp32: no bf16 matmul on
     this CPU; measured 345 s per step in bf16) and the global batch (512 x 2048 tokens per
-    step is ~8 min of compute per step here; 8 sequences keep G = 2)."""
+    step is ~8 min of compute per step here; 8 sequences keep G = 2).
+    Real process: the shipped 1B config file through the launcher (C4 via `datasets`, TensorBoard,
+    DCP)."""
     from c4_local import make_local_c4
     from conftest import read_jsonl, run_cli
 

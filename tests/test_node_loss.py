@@ -80,9 +80,11 @@ def _node_of(out, replica: int) -> int:
 
 
 @pytest.mark.parametrize("fault, nodes", [
-    ("link_down", 3), ("frozen_rank", 3), ("frozen_rank", 4),
+    ("link_down", 3), pytest.param("frozen_rank", 3, marks=pytest.mark.slow), ("frozen_rank", 4),
     pytest.param("link_down", 4, marks=pytest.mark.slow)])  # default suite time; 10/10 measured
 def test_lost_node_the_others_finish(tmp_path, fault, nodes):
+    """Real process: a rank frozen / a link cut across network-namespace hosts: the detector and
+    its in-band notices."""
     out = tmp_path / "run"
     out.mkdir()
     prefix, subnet = _names(f"{fault[0]}{nodes}", 50 + 7 * nodes + (fault == "link_down"))
@@ -125,7 +127,9 @@ def test_lost_node_the_others_finish(tmp_path, fault, nodes):
 def test_crashed_node_with_its_daemon_ends_the_job_cleanly(tmp_path):
     """(a) SIGKILL of everything on node 2, its prted included: PRRTE aborts the job (measured:
     no PRRTE option keeps a job whose daemon is lost). What the launcher guarantees: it returns
-    promptly, says so in one line, and no process of the job is left on any node."""
+    promptly, says so in one line, and no process of the job is left on any node.
+    Real process: PRRTE's reaction to a lost daemon, and nothing left behind on the reachable
+    nodes."""
     out = tmp_path / "run"
     out.mkdir()
     prefix, subnet = _names("a", 150)
@@ -150,7 +154,8 @@ def test_replacement_joins_on_a_standby_host(tmp_path):
     ``recover-hsdp join --out DIR --host <node 2>``; the replacement starts there, receives the
     state from replica 0 and the run ends with 2 replicas, B every step, the loss of the
     failure-free run. (A host outside the allocation cannot be added on this stack: PRRTE's
-    add-host ended the whole job, measured; docs/DESIGN.md.)"""
+    add-host ended the whole job, measured; docs/DESIGN.md.)
+    Real process: PRRTE spawning a newcomer on a standby host of the allocation."""
     steps_total = 24
     reference = tmp_path / "reference"
     ref = run_cli(["train", "--config", str(DEBUG_CONFIG), "--replicas", "2", "--out",

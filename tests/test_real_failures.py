@@ -63,10 +63,13 @@ def _check_2x2(out, steps, wall, alive: list[int]):
     return event
 
 
+@pytest.mark.slow  # default suite time: test_frozen_rank_of_a_2x2_replica covers it
 def test_frozen_rank_is_declared_dead_and_nothing_is_left_behind(tmp_path, failure_free):
     """Replica 2 SIGSTOPs itself (all threads frozen, sockets open: a hung node) in step 3's
     backward. The heartbeat detector declares it dead within detect_timeout_s, the others
-    shrink and finish, the survivors end the stopped process, and the launcher returns."""
+    shrink and finish, the survivors end the stopped process, and the launcher returns.
+    Real process: (slow: the 2 x 2 case below proves the same and more) SIGSTOP of a real process,
+    found by the detector."""
     result, steps, wall = _train(tmp_path, faults=["replica=2,step=3,phase=backward,mode=stop"])
     _check(tmp_path, steps, failure_free, alive_after=3, wall=wall)
     (event,) = read_jsonl(tmp_path / "events.jsonl")
@@ -74,10 +77,13 @@ def test_frozen_rank_is_declared_dead_and_nothing_is_left_behind(tmp_path, failu
     assert event["detect_s"] < 15, event  # detect_timeout_s = 4 (+ a loaded 2-core host)
 
 
+@pytest.mark.slow  # default suite time: in-process + the 2 x 2 case
 def test_error_inside_a_replica_makes_only_that_replica_leave(tmp_path, failure_free):
     """A RuntimeError in replica 1's forward at step 3 (what a CUDA OOM raises), then one in
     replica 3's optimizer step at step 6: each replica leaves as a unit with its error text in
-    events.jsonl and the survivors stay on the failure-free trajectory."""
+    events.jsonl and the survivors stay on the failure-free trajectory.
+    Real process: (slow: test_manager_inprocess proves forward and optimizer errors; the 2 x 2 case
+    the real exit) a real process ending itself."""
     result, steps, wall = _train(tmp_path, faults=["replica=1,step=3,phase=forward,mode=raise",
                                                    "replica=3,step=6,phase=optimizer,mode=raise"])
     _check(tmp_path, steps, failure_free, alive_after=2, wall=wall)
@@ -90,7 +96,9 @@ def test_error_inside_a_replica_makes_only_that_replica_leave(tmp_path, failure_
 
 def test_error_in_one_rank_of_a_2x2_replica_takes_the_replica_out(tmp_path):
     """2 x 2: rank 1 of replica 1 raises in backward; it leaves, its peer's intra-replica
-    collective fails at once, and the replica leaves as a unit; replica 0 is untouched."""
+    collective fails at once, and the replica leaves as a unit; replica 0 is untouched.
+    Real process: a rank SIGKILLs itself after an error, mpirun tolerates it, its peer's gloo call
+    fails."""
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=1,step=2,phase=backward,rank=1,mode=raise"],
                                  extra=["--training.steps", "4"])
@@ -98,9 +106,12 @@ def test_error_in_one_rank_of_a_2x2_replica_takes_the_replica_out(tmp_path):
     assert "rank 3 step 2: RuntimeError: injected fault" in " ".join(event["errors"]["1"])
 
 
+@pytest.mark.slow  # default suite time: in-process + the 2 x 2 case
 def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
     """Rank 0 (the writer) is SIGKILLed after the last step's commit, while it writes the run's
-    final outputs: the next writer writes the summary and the launcher reports success."""
+    final outputs: the next writer writes the summary and the launcher reports success.
+    Real process: (slow: the 2 x 2 case below and test_manager_inprocess prove it) the writer
+    SIGKILLed while it writes files."""
     result, steps, wall = _train(tmp_path, faults=[f"replica=0,step={STEPS},phase=finish"],
                                  extra=["--recover.save_final_params"])
     summary = _check(tmp_path, steps, failure_free, alive_after=4, wall=wall)
@@ -110,10 +121,12 @@ def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
     assert event["phase"] == "end of run" and event["dead_replicas"] == [0]
 
 
+@pytest.mark.slow  # default suite time: the 2 x 2 case covers it
 def test_death_while_the_model_is_built_is_survived(tmp_path, failure_free):
     """Replica 2 is SIGKILLed at start-up, after its process group formed and before the model
     is built (the world is built first: a death from there on is found by step 1's
-    collectives). The other 3 replicas run every step with B and the failure-free loss."""
+    collectives). The other 3 replicas run every step with B and the failure-free loss.
+    Real process: (slow: the 2 x 2 case below proves it) a death while TorchTitan builds the model."""
     result, steps, wall = _train(tmp_path, faults=["replica=2,step=0,phase=startup"])
     _check(tmp_path, steps, failure_free, alive_after=3, wall=wall)
     assert all(s["alive_replicas"] == 3 for s in steps)
@@ -123,7 +136,8 @@ def test_death_while_the_model_is_built_is_survived(tmp_path, failure_free):
 
 def test_death_of_one_rank_of_a_2x2_replica_at_start_up(tmp_path):
     """2 x 2: rank 1 of replica 1 SIGKILLed at start-up (phase ``startup``): its replica peer's
-    first collective fails, the replica leaves as a unit at step 1, replica 0 goes on."""
+    first collective fails, the replica leaves as a unit at step 1, replica 0 goes on.
+    Real process: a death after the replica's rendezvous, before TorchTitan built the model."""
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=1,step=0,phase=startup,rank=1"],
                                  extra=["--training.steps", "4"])
@@ -133,7 +147,9 @@ def test_death_of_one_rank_of_a_2x2_replica_at_start_up(tmp_path):
 def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
     """2 x 2: the writer (rank 0 = shard 0 of replica 0) is SIGKILLed after the last commit;
     its replica peer leaves with it (a replica dies as a unit) and replica 1's first rank writes
-    the summary, the final parameters and every line; the launcher reports success."""
+    the summary, the final parameters and every line; the launcher reports success.
+    Real process: the writer SIGKILLed while it writes files; its peer leaves; the files on disk
+    end complete."""
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=0,step=4,phase=finish,rank=0"],
                                  extra=["--training.steps", "4", "--recover.save_final_params"])
@@ -151,7 +167,8 @@ def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
 
 @pytest.mark.slow  # default suite time: the launcher's clean-up is one function
 def test_a_second_run_into_the_same_folder_starts_afresh(tmp_path):
-    """Outputs are never mixed: the earlier run's ledger, faults and metrics are removed."""
+    """Outputs are never mixed: the earlier run's ledger, faults and metrics are removed.
+    Real process: the launcher's clean-up of a real output folder."""
     _train(tmp_path, replicas=2, faults=["replica=1,step=2,phase=forward"],
            extra=["--training.steps", "3"])
     assert len(read_jsonl(tmp_path / "faults_fired.jsonl")) == 1
@@ -166,7 +183,8 @@ def test_a_second_run_into_the_same_folder_starts_afresh(tmp_path):
 @pytest.mark.slow  # default suite time: detection_bench measures the same 10/10 times
 def test_a_long_step_is_not_a_death(tmp_path):
     """Replica 1 computes 20 s (pure Python, GIL held, no MPI call: 5 x detect_timeout_s) in
-    step 2: the heartbeat detector's own thread keeps it alive, nobody is declared dead."""
+    step 2: the heartbeat detector's own thread keeps it alive, nobody is declared dead.
+    Real process: a real process holding the GIL for 20 s is not declared dead by the detector."""
     result, steps, wall = _train(tmp_path, replicas=2,
                                  faults=["replica=1,step=2,phase=forward,mode=busy,seconds=20"],
                                  extra=["--training.steps", "3", "--recover.hang_timeout_s", "60"])
@@ -180,7 +198,9 @@ def test_frozen_rank_of_a_2x2_replica(tmp_path):
     """2 x 2: rank 1 of replica 1 SIGSTOPs itself. Its replica peer is blocked in gloo with it
     (a frozen process keeps its sockets): the survivor that the detector tells ends the frozen
     process at once (same host), which frees the peer, and the replica leaves as a unit in about
-    detect_timeout_s, not at the hang watchdog (20 s here)."""
+    detect_timeout_s, not at the hang watchdog (20 s here).
+    Real process: SIGSTOP (sockets open) of one rank; its gloo-blocked peer is freed when a
+    survivor ends it."""
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=1,step=2,phase=backward,rank=1,mode=stop"],
                                  extra=["--training.steps", "4"])

@@ -53,11 +53,13 @@ def _check_step_against_oracle(out, step, ranks, expected_dead, global_batch, ov
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("k_first,k_second", [(0, N_BUCKETS), (1, N_BUCKETS - 1)])
+@pytest.mark.parametrize("k_first,k_second", [(0, N_BUCKETS), pytest.param(1, N_BUCKETS - 1, marks=pytest.mark.slow)])
 def test_kill_after_k_buckets_4x1(tmp_path, local_corpus, k_first, k_second):
     """4 x 1: replica 2 (a major) dies at step 2 after k_first buckets; replica 1 (a major of
     the 3 survivors: G = 2, replica 3 is the spare) at step 3 after k_second; both failure
-    steps are checked against the oracle (k covers {0, 1, n-1, n}, victims contribute)."""
+    steps are checked against the oracle (k covers {0, 1, n-1, n}, victims contribute).
+    Real process: FSDP2's real all-reduce hooks on TorchTitan's gradients against a one-process
+    recomputation."""
     out = _run_with_faults(tmp_path, 4, 1, [
         f"replica=2,step=2,phase=grad_sync,bucket={k_first}",
         f"replica=1,step=3,phase=grad_sync,bucket={k_second}"], dump_steps=(2, 3))
@@ -71,11 +73,14 @@ def test_kill_after_k_buckets_4x1(tmp_path, local_corpus, k_first, k_second):
     _check_step_against_oracle(out, 3, 1, [1], 4)
 
 
+@pytest.mark.slow  # default suite time: the promotion is proven in-process
 @pytest.mark.parametrize("mode", ["exact", "stream"])
 def test_promoted_spare(tmp_path, local_corpus, mode):
     """After replica 2 dies, replica 3 is the spare (exact: it shadows replica 0's ids;
     stream: it computes its next positions without drawing them). Replica 0 dies at step 3:
-    the spare is promoted, nothing is recomputed, and its gradient is the committed one."""
+    the spare is promoted, nothing is recomputed, and its gradient is the committed one.
+    Real process: (slow: test_manager_inprocess proves the promotion) a promoted spare's real
+    gradient."""
     extra = ("--recover.data_assignment", mode)
     out = _run_with_faults(tmp_path, 4, 1, [
         "replica=2,step=2,phase=grad_sync,bucket=3",
@@ -93,7 +98,9 @@ def test_promoted_spare(tmp_path, local_corpus, mode):
 def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus, k):
     """2 x 2: shard rank 1 of replica 1 dies after k buckets; its live peer must leave with it
     (it retires at the consensus, or its intra-replica collective fails and it leaves with the
-    error recorded) and the surviving replica commits both ids of the step (B = 2 x G = 1)."""
+    error recorded) and the surviving replica commits both ids of the step (B = 2 x G = 1).
+    Real process: FSDP2 sharding over 2 real ranks; the dead rank's peer leaves; gradients against
+    the oracle."""
     out = _run_with_faults(tmp_path, 2, 2, [f"replica=1,step=2,phase=grad_sync,bucket={k},rank=1"],
                            dump_steps=(2,))
     text = (out / "stdout.log").read_text()
@@ -103,7 +110,10 @@ def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus, k):
     _check_step_against_oracle(out, 2, 2, [1], 2)
 
 
+@pytest.mark.slow  # default suite time: proven in-process in both modes
 def test_second_death_during_rereduce(tmp_path, local_corpus):
+    """Real process: (slow: test_manager_inprocess::test_second_death_during_rereduce proves it in
+    both modes) a real death inside the re-reduce."""
     out = _run_with_faults(tmp_path, 4, 1, [
         "replica=1,step=2,phase=grad_sync,bucket=3",
         "replica=3,step=2,phase=rereduce,bucket=2"], dump_steps=(2,))

@@ -79,6 +79,7 @@ def _assert_rejoined(steps, joins, summary, replicas, lost):
 
 
 def test_respawn_4x1(tmp_path, reference):
+    """Real process: MPI_Comm_spawn through PRRTE and the transfer of TorchTitan's real state."""
     out = tmp_path / "run"
     result = run_cli(_train_args(out, 4, 1, ["replica=1,step=3,phase=grad_sync"],
                                  ("--recover.respawn_after_steps", "1")), timeout=400)
@@ -90,12 +91,14 @@ def test_respawn_4x1(tmp_path, reference):
     assert summary["failures"] == 1 and summary["joins"] == 1
 
 
-@pytest.mark.parametrize("victim", ["newcomer", pytest.param("donor", marks=pytest.mark.slow)])
+@pytest.mark.slow  # default suite time: tests/test_rejoin_inprocess.py kills both in-process
+@pytest.mark.parametrize("victim", ["newcomer", "donor"])
 def test_death_during_the_transfer_aborts_the_join_only(tmp_path, reference, victim):
     """SIGKILL mid-transfer of the join started before step 5: the newcomer (replica 1's
     replacement) or the donor (replica 0, the writer's replica). The join is aborted, the
     survivors go on (after the donor's death: without replica 0 too), and a later join
-    brings the lost replicas back."""
+    brings the lost replicas back.
+    Real process: (slow: test_rejoin_inprocess proves both victims) a real SIGKILL mid-transfer."""
     out = tmp_path / "run"
     target = 1 if victim == "newcomer" else 0
     result = run_cli(_train_args(out, 4, 1, ["replica=1,step=3,phase=grad_sync",
@@ -112,7 +115,8 @@ def test_death_during_the_transfer_aborts_the_join_only(tmp_path, reference, vic
 
 @pytest.mark.slow
 def test_join_command_2x2(tmp_path, reference):
-    """A replica of 2 ranks comes back on ``recover-hsdp join --out DIR`` (no respawn)."""
+    """A replica of 2 ranks comes back on ``recover-hsdp join --out DIR`` (no respawn).
+    Real process: the `recover-hsdp join` command against a running job."""
     out = tmp_path / "run"
     job = subprocess.Popen(
         [sys.executable, "-m", "recover_hsdp.cli.launch",

@@ -35,8 +35,10 @@ def _train(out, replicas, ranks, *, stock=False, faults=(), extra=(), timeout=40
     return out
 
 
-@pytest.mark.parametrize("fsdp", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # default suite time: the TP kill test below runs TP every commit
+@pytest.mark.parametrize("fsdp", [1, 2])
 def test_fsdp_x_tp_replicas_match_stock_hsdp_tp(tmp_path, local_corpus, fsdp):
+    """Real process: TorchTitan's TP plan in replicas against stock HSDP + TP under torchrun."""
     ranks = fsdp * 2
     extra = (*TP, "--recover.save_final_params",
              "--training.global_batch_size", str(G * 2 * fsdp * LBS))
@@ -59,6 +61,8 @@ def test_fsdp_x_tp_replicas_match_stock_hsdp_tp(tmp_path, local_corpus, fsdp):
 
 
 def test_tp_rank_killed_mid_sync_replica_leaves_as_a_unit(tmp_path, local_corpus):
+    """Real process: a TP rank SIGKILLed mid-sync; its TP peer's collective fails; the replica
+    leaves as a unit."""
     common = ("--recover.hang_timeout_s", "10")
     reference = read_jsonl(_train(tmp_path / "ref", 3, 2, extra=(*TP, *common)) / "metrics.jsonl")
     out = _train(tmp_path / "tp", 3, 2, faults=["replica=1,step=2,phase=grad_sync,bucket=3,rank=1"],
