@@ -152,3 +152,19 @@ def test_no_cuda_no_device_selection(monkeypatch):
 
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
     assert select_device(1, own_device=lambda: pytest.fail("no collective without CUDA")) is None
+
+
+def test_gpu_check_skips_in_one_line_without_a_gpu():
+    import subprocess
+
+    import torch
+
+    from conftest import REPO
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run scripts/gpu_check.sh itself")
+    result = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0
+    assert result.stdout.strip() == ("gpu_check: SKIP: no CUDA GPU on this machine "
+                                     "(torch.cuda.device_count() = 0); nothing was run")
