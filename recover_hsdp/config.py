@@ -30,7 +30,9 @@ class Faults:
     inject: str = ""
     """Faults, separated by ";" (one string: each spec contains commas): ``replica=R,step=N,phase=P[,rank=K][,mode=M][,bucket=B]`` with
     P in forward|backward|grad_sync|consensus|rereduce|optimizer|checkpoint|finish and M in
-    sigkill|exit|hang|stop|raise (see :mod:`recover_hsdp.faults`)."""
+    sigkill|exit|hang|stop|raise|busy, or a replica that stays alive but is bad: nan (grad_sync,
+    ``bucket=B``), inf_loss, slow (forward, ``seconds=S`` per microbatch, ``steps=K``) (see
+    :mod:`recover_hsdp.faults`)."""
 
     every: int = 0
     """Paper-like schedule: one replica failure per ``every`` steps at a seeded random step in

@@ -2,8 +2,8 @@
 
 Faults come from ``[recover.faults]`` (``inject``: specs separated by ";") or the launcher's
 repeatable ``--fault replica=R,step=N,phase=P[,rank=K][,mode=M][,bucket=B][,at=A]`` (M in
-sigkill|exit|hang|stop|raise; A, for phase=consensus only, where inside the consensus: consensus
-(before the agreement, the default), shrink, rebuild, agree-membership),
+sigkill|exit|hang|stop|raise|busy|nan|inf_loss|slow; A, for phase=consensus only, where inside the
+consensus: consensus (before the agreement, the default), shrink, rebuild, agree-membership),
 plus an optional paper-like schedule: one failure every ``every`` steps at a seeded random step
 inside each interval, until ``max_failures`` replicas are lost. Every rank expands the same
 schedule, so no messages are needed.
@@ -12,6 +12,16 @@ schedule, so no messages are needed.
 lives or dies as a unit); without it every rank of the replica dies at the same point.
 ``bucket=B`` (phases grad_sync / rereduce): fire just before the B-th bucket's cross-replica
 reduce; B >= the number of buckets fires after the last one.
+
+Faults that do not end the rank ([Note: bad replicas] in manager/culprits.py):
+
+* ``mode=nan`` (phase grad_sync): the replica's bucket ``bucket=B`` becomes NaN just before its
+  cross-replica reduce, snapshot included (the replica computed garbage: what silent data
+  corruption or a bad HBM page gives); ``bucket=B`` >= the number of buckets: the last one.
+* ``mode=inf_loss`` (any phase of step N): the loss the replica reports for its microbatches of
+  step N is +inf (its gradient is left as computed).
+* ``mode=slow`` (phase forward): ``seconds`` extra before every microbatch's forward from step N
+  on, or for ``steps=K`` steps (a thermally throttled node: alive, progressing, slow).
 
 Before dying the victim appends one line to ``faults_fired.jsonl`` (fsync'ed), the counter the
 tests check afterwards.
@@ -43,6 +53,9 @@ class Mode(str, enum.Enum):
     RAISE = "raise"      # a RuntimeError at that point (what a CUDA OOM looks like)
     BUSY = "busy"        # NOT a failure: ``seconds`` of pure-Python compute holding the GIL, no
                          # MPI call, no heartbeat (a very long step: must not be declared dead)
+    NAN = "nan"          # NOT a death: one gradient bucket of the replica becomes NaN
+    INF_LOSS = "inf_loss"  # NOT a death: the replica's loss of that step is +inf
+    SLOW = "slow"        # NOT a death: ``seconds`` extra per microbatch from that step on
 
 
 class ConsensusPoint(str, enum.Enum):
@@ -66,6 +79,13 @@ class FaultSpec:
     bucket: int = 0
     seconds: float = 30.0
     point: ConsensusPoint = ConsensusPoint.AGREE
+    steps: int = 0  # mode=slow: for this many steps (0: until the end of the run)
+
+    def covers(self, step: int) -> bool:
+        """Whether ``step`` is one this fault fires at (a slow fault spans its ``steps``)."""
+        if self.mode is not Mode.SLOW:
+            return step == self.step
+        return step >= self.step and (self.steps <= 0 or step < self.step + self.steps)
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
@@ -74,19 +94,21 @@ class FaultSpec:
             key, _, value = item.partition("=")
             fields[key.strip()] = value.strip()
         try:
+            mode = Mode(fields.pop("mode", "sigkill"))
+            default_phase = "forward" if mode is Mode.SLOW else "grad_sync"
             spec = cls(replica=int(fields.pop("replica")), step=int(fields.pop("step")),
-                       phase=Phase(fields.pop("phase", "grad_sync")),
+                       phase=Phase(fields.pop("phase", default_phase)),
                        rank=int(fields["rank"]) if "rank" in fields else None,
-                       mode=Mode(fields.pop("mode", "sigkill")),
-                       bucket=int(fields.pop("bucket", 0)),
+                       mode=mode, bucket=int(fields.pop("bucket", 0)),
                        seconds=float(fields.pop("seconds", 30.0)),
-                       point=ConsensusPoint(fields.pop("at", "consensus")))
+                       point=ConsensusPoint(fields.pop("at", "consensus")),
+                       steps=int(fields.pop("steps", 0)))
             fields.pop("rank", None)
         except (KeyError, ValueError) as err:
             raise ConfigError(
                 f"--fault {text!r}: {err}: expected replica=R,step=N,phase="
                 f"{'|'.join(p.value for p in Phase)}[,rank=K][,mode="
-                f"{'|'.join(m.value for m in Mode)}][,bucket=B][,seconds=S][,at="
+                f"{'|'.join(m.value for m in Mode)}][,bucket=B][,seconds=S][,steps=K][,at="
                 f"{'|'.join(c.value for c in ConsensusPoint)}]") from None
         if fields:
             raise ConfigError(f"--fault {text!r}: unknown key {sorted(fields)[0]!r}")
@@ -94,7 +116,23 @@ class FaultSpec:
             raise ConfigError(f"--fault {text!r}: mode=raise cannot fire inside the consensus (an "
                               "exception there is not a replica-local error); use sigkill, exit, "
                               "hang or stop, or another phase")
+        _check_bad_replica_mode(text, spec)
         return spec
+
+
+#: The phase a fault that does not end the rank must fire at (inf_loss: any).
+_BAD_REPLICA_PHASES = {Mode.NAN: (Phase.GRAD_SYNC,), Mode.SLOW: (Phase.FORWARD,)}
+
+
+def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
+    phases = _BAD_REPLICA_PHASES.get(spec.mode)
+    if phases and spec.phase not in phases:
+        raise ConfigError(f"--fault {text!r}: mode={spec.mode.value} fires at phase="
+                          f"{phases[0].value}; set phase={phases[0].value} or drop phase")
+    if spec.mode is Mode.SLOW and spec.seconds < 0:
+        raise ConfigError(f"--fault {text!r}: seconds must be >= 0 for mode=slow")
+    if spec.steps and spec.mode is not Mode.SLOW:
+        raise ConfigError(f"--fault {text!r}: steps=K is for mode=slow only; drop it")
 
 
 def paper_schedule(replicas: int, every: int, max_failures: int, phase: Phase, seed: int,
@@ -118,25 +156,53 @@ class FaultInjector:
         self.mine = [s for s in specs if s.replica == replica and s.rank in (None, shard)]
         self.replica, self.shard = replica, shard
         self.out_dir = Path(out_dir)
+        self._recorded: set[FaultSpec] = set()  # faults that fire many times, recorded once
 
     def on_phase(self, step: int, phase: Phase, detail: dict) -> None:
         """The ``PhaseHooks`` subscriber ([Note: phases as data] in recover_hsdp/phases.py)."""
         self.at(step, phase, **detail)
 
     def at(self, step: int, phase: Phase, bucket: int | None = None,
-           buckets_total: int | None = None, point: ConsensusPoint | None = None) -> None:
+           buckets_total: int | None = None, point: ConsensusPoint | None = None,
+           tensors: tuple = ()) -> None:
+        """``tensors``: what a ``mode=nan`` fault poisons (a bucket and its snapshot)."""
         for spec in self.mine:
-            if spec.step != step or spec.phase != phase:
+            if spec.phase != phase or not spec.covers(step):
                 continue
+            if spec.mode is Mode.INF_LOSS:
+                continue  # applied by ``loss_of``
             if phase is Phase.CONSENSUS and spec.point is not point:
                 continue
             if bucket is not None and spec.bucket != bucket and not (
                     buckets_total is not None and bucket >= buckets_total
                     and spec.bucket >= buckets_total):
                 continue
-            self._fire(spec)
+            if spec.mode is Mode.NAN:
+                self._record(spec)
+                for tensor in tensors:
+                    tensor.fill_(float("nan"))
+            elif spec.mode is Mode.SLOW:
+                self._record_once(spec)
+                time.sleep(spec.seconds)
+            else:
+                self._fire(spec)
 
-    def _fire(self, spec: FaultSpec) -> None:
+    def loss_of(self, step: int, loss: float) -> float:
+        """The loss this replica reports for a microbatch of ``step``: +inf under a
+        ``mode=inf_loss`` fault of that step (recorded once), else ``loss`` unchanged."""
+        for spec in self.mine:
+            if spec.mode is Mode.INF_LOSS and spec.step == step:
+                self._record_once(spec)
+                return float("inf")
+        return loss
+
+    def _record_once(self, spec: FaultSpec) -> None:
+        if spec not in self._recorded:
+            self._recorded.add(spec)
+            self._record(spec)
+
+    def _record(self, spec: FaultSpec) -> None:
+        """One line in ``faults_fired.jsonl`` (fsync'ed) and one on stdout."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         record = {"replica": self.replica, "shard": self.shard, "step": spec.step,
                   "phase": spec.phase.value, "mode": spec.mode.value, "bucket": spec.bucket,
@@ -147,6 +213,9 @@ class FaultInjector:
             os.fsync(handle.fileno())
         print(f"[recover-hsdp fault] replica {self.replica} shard {self.shard}: "
               f"{spec.mode.value} at step {spec.step} {spec.phase.value}", flush=True)
+
+    def _fire(self, spec: FaultSpec) -> None:
+        self._record(spec)
         if spec.mode is Mode.SIGKILL:
             os.kill(os.getpid(), signal.SIGKILL)
         if spec.mode is Mode.EXIT:

@@ -129,6 +129,7 @@ class RecoverManager:
         self.parameter_checksum = parameter_checksum
         self.counts_data = counts_data
         self.phases, self.timer = PhaseHooks(), PhaseTimer()
+        self.faults = faults  # also asked for the loss a microbatch reports (mode=inf_loss)
         self.phases.subscribe(faults.on_phase)
         self.phases.open_spans_with(profiler_labels)
         self.phases.open_spans_with(self.timer)
@@ -229,6 +230,7 @@ class RecoverManager:
                 point(step, Phase.FORWARD)
                 measured = work.forward_backward(
                     data_id, state.nominal_tokens, lambda: point(step, Phase.BACKWARD))
+                measured = (self.faults.loss_of(step, measured[0]), *measured[1:])
                 if ids:
                     state.stats[ids[index]] = measured
                 self.world.heartbeat()
@@ -361,7 +363,9 @@ class RecoverManager:
 
     def _bucket_point(self, index: int, rereduce: bool) -> None:
         phase = Phase.REREDUCE if rereduce else Phase.GRAD_SYNC
-        self.phases.point(self._current_step, phase, bucket=index)
+        bucket = self.bucket_sync.buckets[index]  # a mode=nan fault poisons it (and its snapshot)
+        self.phases.point(self._current_step, phase, bucket=index,
+                          tensors=(bucket.tensor, bucket.snapshot))
 
     def _consensus_point(self, name: str) -> None:
         self.phases.point(self._current_step, Phase.CONSENSUS, point=ConsensusPoint(name))
