@@ -118,6 +118,32 @@ class Recover:
     and stop with an error if they diverged (one pass over the local shard + one float per rank
     on the wire; 1 in tests, 0 disables)."""
 
+    nonfinite_max_offences: int = 3
+    """A replica whose contribution to a step is non-finite (NaN/Inf gradient or loss) is
+    excluded from that step only ([Note: bad replicas] in manager/culprits.py); after this many
+    such offences within ``nonfinite_window_steps`` steps it is retired as a unit instead (it may
+    come back fresh through the rejoin path, ``respawn_after_steps``). >= 1."""
+
+    nonfinite_window_steps: int = 100
+    """The window, in steps, over which ``nonfinite_max_offences`` counts a replica's offences.
+    >= 1."""
+
+    straggler_slow_ratio: float = 0.0
+    """Straggler rebalancing ([Note: straggler quotas] in workload/rebalance.py): a replica whose
+    measured compute seconds per microbatch stay above this many times the median of the
+    others' for ``straggler_patience`` steps gets a quota proportional to its speed (B kept,
+    exact mode's ids unchanged) until it recovers. 0: off (the default: plans never depend on
+    timing); else > 1, e.g. 1.5."""
+
+    straggler_recover_ratio: float = 1.2
+    """A rebalanced replica gets its full quota back after ``straggler_patience`` steps under
+    this many times the others' median; in [1, ``straggler_slow_ratio``): the band between the
+    two is the hysteresis that keeps quotas from oscillating."""
+
+    straggler_patience: int = 3
+    """Steps in a row a replica must be out of its band before its quota changes (either way).
+    >= 1."""
+
     faults: Faults = field(default_factory=Faults)
     """Failure injection for tests and demos."""
 
@@ -237,6 +263,7 @@ def validate(job_config, world_size: int | None = None) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _check_dataset(job_config)
+    _check_bad_replica_fields(rc)
     bad_steps = [s for s in rc.dump_step_gradients if not str(s).strip().isdigit()]
     if bad_steps:
         raise ConfigError(f"recover.dump_step_gradients={bad_steps[0]!r} is not a step number: "
@@ -272,6 +299,27 @@ def validate(job_config, world_size: int | None = None) -> None:
 STREAMING_DATASETS = ("c4", "c4_validation")
 """TorchTitan datasets whose loader streams (``load_dataset(..., streaming=True)``); any other
 dataset that loads as a stream is refused at start-up by the exact-mode packer."""
+
+
+def _check_bad_replica_fields(rc) -> None:
+    """The non-finite culprit and straggler fields, each refused in one line."""
+    for name in ("nonfinite_max_offences", "nonfinite_window_steps"):
+        value = getattr(rc, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"recover.{name} must be an integer >= 1 (got {value!r})")
+    try:
+        straggler_rule(rc).check()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def straggler_rule(rc):
+    """The ``[recover]`` straggler thresholds as the policy's ``StragglerRule``."""
+    from recover_hsdp.workload import StragglerRule
+
+    return StragglerRule(slow_ratio=float(rc.straggler_slow_ratio),
+                         recover_ratio=float(rc.straggler_recover_ratio),
+                         patience=rc.straggler_patience)
 
 
 def _check_dataset(job_config) -> None:

@@ -46,7 +46,8 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
     """The manager of one rank of a job: its ``world`` (:func:`build_world`), the policy from
     the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
     rank's ``faults``. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap)."""
-    from recover_hsdp.config import data_ranks_per_replica, microbatches_per_replica
+    from recover_hsdp.config import (data_ranks_per_replica, microbatches_per_replica,
+                                     straggler_rule)
     from recover_hsdp.manager.replica_group import active_heartbeat
     from recover_hsdp.recovery import BucketSync, local_parameter_checksum
 
@@ -58,7 +59,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
                                  placement.replicas * fsdp_degree)
     policy = WorkloadPolicy(initial_replicas=placement.replicas, microbatches_per_replica=g,
                             keep_spares=rc.keep_spares, data_assignment=rc.data_assignment,
-                            g_raise=rc.g_raise)
+                            g_raise=rc.g_raise, straggler=straggler_rule(rc))
     manager = RecoverManager(
         world=world, bucket_sync=BucketSync.for_model(model, world, rc.host_snapshots),
         policy=policy,

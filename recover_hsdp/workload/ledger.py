@@ -31,6 +31,8 @@ def plan_record(plan: StepPlan, epoch: int) -> dict:
         entry = {"role": a.role.value, "committed": list(a.committed_ids),
                  "extra": list(a.extra_ids), "discarded": list(a.discarded_ids),
                  "promoted": a.promoted}
+        if a.excluded:  # a culprit of this step ([Note: bad replicas] in manager/culprits.py)
+            entry["excluded"] = True
         if a.stream_start is not None:
             entry["stream_start"] = a.stream_start
             entry["slot"] = a.slot

@@ -43,7 +43,9 @@ class ReplicaAssignment:
     in the replica's own shard in stream mode); extra_ids: microbatches added by replans (boundary
     step); promoted: a spare whose compute is committed; shadow_of: the contributor whose ids an
     exact-mode spare holds; stream_start: the cursor of the replica's stream slot at the start of
-    the step; slot: that stream slot (stream mode).
+    the step; slot: that stream slot (stream mode); excluded: a culprit of this step (a
+    non-finite contribution, [Note: bad replicas] in manager/culprits.py): alive, it takes part
+    in the collectives, but commits nothing (its ids became the others' extras).
     """
 
     replica: int
@@ -54,11 +56,13 @@ class ReplicaAssignment:
     shadow_of: int | None = None
     stream_start: int | None = None
     slot: int | None = None
+    excluded: bool = False
 
     @property
     def commits_compute(self) -> bool:
-        """Whether the pre-sync gradient is committed (majors, the minor, promoted spares)."""
-        return self.role in (Role.MAJOR, Role.MINOR) or self.promoted
+        """Whether the pre-sync gradient is committed (majors, the minor, promoted spares; never
+        an excluded culprit)."""
+        return (self.role in (Role.MAJOR, Role.MINOR) or self.promoted) and not self.excluded
 
     @property
     def committed_ids(self) -> tuple[int, ...]:
@@ -97,7 +101,7 @@ class StepPlan:
     """The work of every alive replica for one step; `round` counts the replans (0: failure-free).
 
     dead: replicas lost during this step, in order; lost_work: (dead replica, ids it had computed),
-    all discarded. Plans are immutable values: equal events give equal plans on every rank.
+    all discarded; culprits: replicas excluded from this step only (``WorkloadPolicy.exclude``). Plans are immutable values: equal events give equal plans on every rank.
     """
 
     step: int
@@ -108,6 +112,7 @@ class StepPlan:
     dead: tuple[int, ...] = ()
     lost_work: tuple[tuple[int, tuple[int, ...]], ...] = ()
     round: int = 0
+    culprits: tuple[int, ...] = ()
     _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -26,6 +26,13 @@ extras <= max(previous max, ceil(E / W_s)), E the survivors' extras, W_s the sur
 <= ceil(B / W_s) in any iteration. One lost major (G) in a clean step costs each survivor at most
 ceil(G / (W - 1)) extras: a single microbatch time when W - 1 >= G, more rounds below that.
 
+A culprit (a replica alive but with a non-finite contribution) is excluded from one step by
+`exclude(plan, culprits)`: its committed ids are dealt to the others exactly as a dead replica's
+(promotion first, then water-filling), but it stays in the plan (it still joins the collectives,
+contributing zero) and in the next step's membership. Stragglers: contributors' quotas follow
+their measured speed (`observe_speeds`, [Note: straggler quotas] in rebalance.py); blocks stay
+contiguous, so the sum is B and exact mode's id set is unchanged.
+
 Data assignment (`DataAssignment`): the rules above are written once here; what the ids name is
 left to one `Assigner` per mode, built with the policy (assignment.py): the ids of a role, when a
 spare's work "fits inside the loss", the id of an extra, and the mode's half of the invariant.
@@ -45,9 +52,10 @@ from typing import Iterable, Mapping
 
 from recover_hsdp.workload.assignment import Assigner, make_assigner
 from recover_hsdp.workload.plan import DataAssignment, DataRef, ReplicaAssignment, Role, StepPlan
+from recover_hsdp.workload.rebalance import Rebalancer, StragglerRule
 
 __all__ = ["DataAssignment", "DataRef", "GRaise", "ReplicaAssignment", "Role", "StepPlan",
-           "WorkloadPolicy", "validate_workload_fields"]
+           "StragglerRule", "WorkloadPolicy", "validate_workload_fields"]
 
 
 class GRaise(str, Enum):
@@ -86,13 +94,15 @@ class WorkloadPolicy:
         data_assignment: "stream" or "exact" (see the module docstring); picks `assigner`.
         g_raise: "ceil" or "reserve".
         alive_replicas: current membership when restarting with fewer replicas (default: all).
+        straggler: the straggler thresholds ([Note: straggler quotas]); None or slow_ratio 0: off.
     """
 
     def __init__(self, *, initial_replicas: int, microbatches_per_replica: int,
                  global_microbatches: int | None = None, keep_spares: bool = True,
                  data_assignment: DataAssignment | str = DataAssignment.STREAM,
                  g_raise: GRaise | str = GRaise.CEIL,
-                 alive_replicas: Iterable[int] | None = None) -> None:
+                 alive_replicas: Iterable[int] | None = None,
+                 straggler: StragglerRule | None = None) -> None:
         validate_workload_fields(microbatches_per_replica=microbatches_per_replica,
                                  keep_spares=keep_spares, data_assignment=str(getattr(
                                      data_assignment, "value", data_assignment)),
@@ -110,6 +120,7 @@ class WorkloadPolicy:
         self.assigner: Assigner = make_assigner(
             DataAssignment(getattr(data_assignment, "value", data_assignment)), initial_replicas)
         self.g_raise = GRaise(getattr(g_raise, "value", g_raise))
+        self.rebalancer = Rebalancer(straggler or StragglerRule())
         self.step = 0
         self.alive = _sorted_ids(range(initial_replicas) if alive_replicas is None
                                  else alive_replicas)
@@ -150,8 +161,10 @@ class WorkloadPolicy:
         b, g = self.global_microbatches, self.g_for(len(alive))
         n_major, q = divmod(b, g)
         n_contrib = n_major + (q > 0)
-        blocks = [range(step * b + k * g, step * b + k * g + (g if k < n_major else q))
-                  for k in range(n_contrib)]
+        starts, blocks = step * b, []
+        for size in self.rebalancer.quotas(alive[:n_contrib], b, g):  # G each, q last, unless
+            blocks.append(range(starts, starts + size))               # a straggler is slower
+            starts += size
         out = []
         for k, r in enumerate(alive):
             if k < n_contrib:
@@ -174,24 +187,61 @@ class WorkloadPolicy:
         if not survivors:
             raise RuntimeError(f"step {plan.step}: every replica died, nothing can keep the step")
         missing = sorted(i for r in sorted(dead) for i in plan.assignment(r).committed_ids)
-        for r, a in sorted(survivors.items()):   # promotion: the spare's whole work fits the loss
-            if a.role is Role.SPARE and not a.promoted and a.compute_ids \
-                    and self.assigner.promotable(a, missing):
-                survivors[r] = replace(a, promoted=True)
-                missing = self.assigner.cover(a, missing)
-        heap = [(len(a.extra_ids), r) for r, a in survivors.items()]
-        heapq.heapify(heap)
-        for i in missing:               # water-filling: one extra to the least loaded survivor
-            n, r = heapq.heappop(heap)
-            a = survivors[r]
-            survivors[r] = replace(a, extra_ids=a.extra_ids + (self.assigner.extra_id(i, a),))
-            heapq.heappush(heap, (n + 1, r))
+        self._deal(survivors, missing)
         new = tuple(survivors[r] for r in sorted(survivors))
         lost_work = plan.lost_work + tuple(
             (r, plan.assignment(r).compute_ids + plan.assignment(r).extra_ids)
             for r in sorted(dead))
         return self._checked(replace(plan, assignments=new, dead=plan.dead + tuple(sorted(dead)),
                                      lost_work=lost_work, round=plan.round + 1))
+
+    def exclude(self, plan: StepPlan, culprits: Iterable[int]) -> StepPlan:
+        """Same step without the contributions of `culprits` (alive replicas whose contribution
+        was non-finite): their committed ids are dealt to the others as a dead replica's would
+        be, and they stay in the plan, excluded (they commit nothing, keep their role, and are
+        back in the next step's plan)."""
+        bad = set(culprits)
+        if not bad or not bad <= set(plan.alive):
+            raise ValueError(f"culprits {sorted(bad)} must be a non-empty subset of the alive "
+                             f"replicas {list(plan.alive)}")
+        others = {a.replica: a for a in plan.assignments
+                  if a.replica not in bad and not a.excluded}
+        if not others:
+            raise RuntimeError(f"step {plan.step}: every replica's contribution is non-finite "
+                               "(or excluded): nothing can keep the step")
+        missing = sorted(i for r in sorted(bad) for i in plan.assignment(r).committed_ids)
+        self._deal(others, missing)
+        new = tuple(others.get(a.replica) or replace(a, excluded=True, extra_ids=())
+                    for a in plan.assignments)
+        culprits = plan.culprits + tuple(sorted(bad - set(plan.culprits)))
+        return self._checked(replace(plan, assignments=new, round=plan.round + 1,
+                                     culprits=culprits))
+
+    def _deal(self, survivors: dict[int, ReplicaAssignment], missing: list[int]) -> None:
+        """Cover the lost ids `missing` with `survivors` (updated in place): promote spares
+        whose whole computation fits inside the loss, then water-fill extras one at a time to
+        the survivor with the fewest (ties: lowest id). Excluded culprits take nothing."""
+        for r, a in sorted(survivors.items()):   # promotion: the spare's whole work fits the loss
+            if a.role is Role.SPARE and not a.promoted and not a.excluded and a.compute_ids \
+                    and self.assigner.promotable(a, missing):
+                survivors[r] = replace(a, promoted=True)
+                missing = self.assigner.cover(a, missing)
+        heap = [(len(a.extra_ids), r) for r, a in survivors.items() if not a.excluded]
+        if missing and not heap:
+            raise RuntimeError("every surviving replica is an excluded culprit: nothing can "
+                               "keep the step")
+        heapq.heapify(heap)
+        for i in missing:               # water-filling: one extra to the least loaded survivor
+            n, r = heapq.heappop(heap)
+            a = survivors[r]
+            survivors[r] = replace(a, extra_ids=a.extra_ids + (self.assigner.extra_id(i, a),))
+            heapq.heappush(heap, (n + 1, r))
+
+    def observe_speeds(self, seconds: Mapping[int, float]) -> bool:
+        """A committed step's measured compute seconds per microbatch of every alive replica
+        (the same figures on every rank): the next plans' quotas follow ([Note: straggler
+        quotas] in rebalance.py). Returns whether a quota weight changed."""
+        return self.rebalancer.observe(seconds)
 
     def _checked(self, plan: StepPlan) -> StepPlan:
         """Assert the invariant (always on, O(B)): B committed here, the mode's half (no id
@@ -239,7 +289,8 @@ class WorkloadPolicy:
                 "microbatches_per_replica": self.initial_g,
                 "keep_spares": self.keep_spares, "data_assignment": self.data_assignment.value,
                 "g_raise": self.g_raise.value, "step": self.step, "alive": list(self.alive),
-                "g": self.g, **self.assigner.state_dict(self.alive)}
+                "g": self.g, **self.assigner.state_dict(self.alive),
+                **({"straggler": self.rebalancer.state_dict()} if self.rebalancer.enabled else {})}
 
     @classmethod
     def from_state_dict(cls, state: Mapping, alive_replicas: Iterable[int] | None = None
@@ -268,6 +319,8 @@ class WorkloadPolicy:
                 alive_replicas=state["alive"] if alive_replicas is None else alive_replicas)
         p.step = int(state["step"])
         p.assigner.load_state_dict(state, p.alive)
+        if "straggler" in state:
+            p.rebalancer = Rebalancer.from_state_dict(state["straggler"])
         return p
 
 
