@@ -83,7 +83,7 @@ def test_a_thread_that_could_not_run_does_not_blame_its_peers():
     a.sock.close(), b.sock.close()
 
 
-def _threads(n=2, period=0.05, timeout=0.4):
+def _threads(n=2, period=0.1, timeout=1.0):
     socks = [open_socket("127.0.0.1") for _ in range(n)]
     lost: dict[int, list] = {i: [] for i in range(n)}
     beats = [ReplicaHeartbeat(socks[i], i, {j: socks[j].getsockname() for j in range(n) if j != i},
@@ -95,21 +95,21 @@ def _threads(n=2, period=0.05, timeout=0.4):
 
 def test_real_sockets_a_frozen_peer_is_lost_a_busy_one_is_not_a_goodbye_ends_cleanly():
     beats, lost = _threads(3)
-    deadline = time.monotonic() + 1.2  # 3 x timeout of pure-Python compute holding the GIL
+    deadline = time.monotonic() + 3.0  # 3 x timeout of pure-Python compute holding the GIL
     x = 0
     while time.monotonic() < deadline:
         x += 1
     assert lost == {0: [], 1: [], 2: []}
     beats[2].stand_down(say_goodbye=False)  # rank 2 freezes: silent, no goodbye
-    time.sleep(0.8)
+    time.sleep(2.5)
     assert [s for s, _ in lost[0]] == [2] and [s for s, _ in lost[1]] == [2], lost
-    assert 0.4 < lost[0][0][1] < 0.7, lost
+    assert 1.0 < lost[0][0][1] < 2.0, lost
     beats[0].stand_down(), beats[1].stand_down()
 
     beats, lost = _threads(2)
-    time.sleep(0.2)
+    time.sleep(0.3)
     beats[0].stand_down()  # leaves normally: its peer must never fire
-    time.sleep(0.8)
+    time.sleep(2.0)
     assert lost == {0: [], 1: []}
     beats[1].stand_down()
     assert not any(t.name == "recover-hsdp-replica-heartbeat" and t.is_alive()
