@@ -17,7 +17,8 @@ Faults that do not end the rank ([Note: bad replicas] in manager/culprits.py):
 
 * ``mode=nan`` (phase grad_sync): the replica's bucket ``bucket=B`` becomes NaN just before its
   cross-replica reduce, snapshot included (the replica computed garbage: what silent data
-  corruption or a bad HBM page gives); ``bucket=B`` >= the number of buckets: the last one.
+  corruption or a bad HBM page gives); ``bucket=B`` >= the number of FSDP units: the last
+  unit's.
 * ``mode=inf_loss`` (any phase of step N): the loss the replica reports for its microbatches of
   step N is +inf (its gradient is left as computed).
 * ``mode=slow`` (phase forward): ``seconds`` extra before every microbatch's forward from step N
@@ -171,21 +172,32 @@ class FaultInjector:
                 continue
             if spec.mode is Mode.INF_LOSS:
                 continue  # applied by ``loss_of``
+            if spec.mode is Mode.NAN:
+                self._poison(spec, bucket, buckets_total, tensors)
+                continue
             if phase is Phase.CONSENSUS and spec.point is not point:
                 continue
             if bucket is not None and spec.bucket != bucket and not (
                     buckets_total is not None and bucket >= buckets_total
                     and spec.bucket >= buckets_total):
                 continue
-            if spec.mode is Mode.NAN:
-                self._record(spec)
-                for tensor in tensors:
-                    tensor.fill_(float("nan"))
-            elif spec.mode is Mode.SLOW:
+            if spec.mode is Mode.SLOW:
                 self._record_once(spec)
                 time.sleep(spec.seconds)
             else:
                 self._fire(spec)
+
+    def _poison(self, spec: FaultSpec, bucket: int | None, buckets_total: int | None,
+                tensors: tuple) -> None:
+        """``mode=nan``: before the reduce of bucket ``spec.bucket`` (beyond the last: the last
+        of ``buckets_total``), every tensor of ``tensors`` becomes NaN."""
+        if not tensors or bucket is None:
+            return
+        wanted = spec.bucket if buckets_total is None else min(spec.bucket, buckets_total - 1)
+        if bucket == wanted:
+            self._record(spec)
+            for tensor in tensors:
+                tensor.fill_(float("nan"))
 
     def loss_of(self, step: int, loss: float) -> float:
         """The loss this replica reports for a microbatch of ``step``: +inf under a

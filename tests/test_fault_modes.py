@@ -55,9 +55,11 @@ def test_nan_poisons_the_chosen_bucket_and_its_snapshot_only(tmp_path):
 def test_nan_beyond_the_last_bucket_poisons_the_last_one(tmp_path):
     faults = _injector(tmp_path, "replica=1,step=3,phase=grad_sync,mode=nan,bucket=9")
     last = (torch.ones(2), torch.ones(2))
-    faults.at(3, Phase.GRAD_SYNC, bucket=0, buckets_total=None, tensors=(torch.ones(2),))
-    faults.at(3, Phase.GRAD_SYNC, bucket=2, buckets_total=2, tensors=last)
-    assert not torch.isfinite(last[0]).any()
+    first = (torch.ones(2),)
+    faults.at(3, Phase.GRAD_SYNC, bucket=0, buckets_total=2, tensors=first)
+    faults.at(3, Phase.GRAD_SYNC, bucket=1, buckets_total=2, tensors=last)
+    faults.at(3, Phase.GRAD_SYNC, bucket=2, buckets_total=2)  # after the last: nothing to poison
+    assert torch.isfinite(first[0]).all() and not torch.isfinite(last[0]).any()
 
 
 def test_inf_loss_changes_only_that_steps_loss_and_records_once(tmp_path):

@@ -100,8 +100,11 @@ class StandInWork:
 
 
 def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", keep_spares=True,
-            errors=None, update_errors=None, transient=None):
-    """Run ``steps`` steps on every rank; returns (hub, {(r, s): StandInWork or exception})."""
+            errors=None, update_errors=None, transient=None, work_class=None, policy_kwargs=None,
+            manager_kwargs=None):
+    """Run ``steps`` steps on every rank; returns (hub, {(r, s): StandInWork or exception}).
+    ``work_class`` (default ``StandInWork``), ``policy_kwargs`` and ``manager_kwargs`` extend
+    the rank's parts (tests/test_bad_replicas_inprocess.py)."""
     hub = FakeHub(replicas, shards)
     errors, update_errors, transient = errors or {}, update_errors or {}, transient or {}
 
@@ -109,15 +112,16 @@ def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", kee
         units = [FakeUnit(f"u{i}") for i in range(UNITS)]
         sync = BucketSync(units, world)
         policy = WorkloadPolicy(initial_replicas=replicas, microbatches_per_replica=g,
-                                keep_spares=keep_spares, data_assignment=mode)
+                                keep_spares=keep_spares, data_assignment=mode,
+                                **(policy_kwargs or {}))
         outputs = RunMetrics(tmp_path, is_writer=world.world_rank == 0, mode="recover")
         manager = RecoverManager(
             world=world, bucket_sync=sync, policy=policy,
             faults=FakeFaults(faults, hub, world.replica, world.shard, tmp_path),
             outputs=outputs, out_dir=tmp_path, tokens_per_microbatch=TOKENS * shards,
-            die=lambda: hub.kill(world.replica, world.shard))
+            die=lambda: hub.kill(world.replica, world.shard), **(manager_kwargs or {}))
         key = (world.replica, world.shard)
-        work = StandInWork(world, units, errors.get(key), update_errors.get(key),
+        work = (work_class or StandInWork)(world, units, errors.get(key), update_errors.get(key),
                            transient.get(key, set()))
         work.initial_replicas, work.bucket_sync = replicas, sync
         for step in range(1, steps + 1):

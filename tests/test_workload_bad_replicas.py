@@ -65,6 +65,7 @@ def test_apportion():
     assert apportion(8, [0.5, 1, 1, 1]) == [1, 3, 2, 2]
     assert apportion(4, [0.05, 1, 1, 1]) == [1, 1, 1, 1]
     assert apportion(12, [0.5, 1, 1, 1]) == [2, 4, 3, 3]
+    assert apportion(8, [1, 0.25, 1, 1]) == [3, 1, 2, 2]   # the minimum 1 is not topped up
 
 
 def test_rule_refused_in_one_line():

@@ -3,7 +3,10 @@
   manager.py        ``RecoverManager``: [Note: the step protocol] over the three layers and
                     the parts below (start here)
   phases.py         ``PhaseHooks``: the step's phases announced once ([Note: phases as data])
+  work.py           ``StepWork`` (what the trainer does for a step), ``StepState``
   totals.py         ``StepTotals``: the step's sums across ranks, one all-reduce
+  culprits.py       ``Culprits``: [Note: bad replicas], non-finite contributions absorbed
+  stragglers.py     measured speed to the policy ([Note: straggler quotas])
   writer.py         ``WriterDuties``: [Note: the writer]
   failures.py       ``FailureLog``: [Note: replica-local errors], repair events
   local_processes.py ``LocalProcesses``: ending excluded processes on this host

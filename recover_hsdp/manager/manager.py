@@ -15,6 +15,7 @@ the trainer when it may update. It holds the three layers and its parts, each ow
   processes      ``LocalProcesses``: [Note: nothing left behind]
   between_steps  ``BetweenSteps``: the checkpoint gather, [Note: the end of a run]
   rejoin         ``Rejoin``: [Note: rejoin at a boundary]
+  culprits       ``Culprits``: [Note: bad replicas], non-finite contributions absorbed
 
 [Note: the step protocol] One step on a surviving rank (docs/DESIGN.md section 3); ``step``
 walks these phases in this order (``recover_hsdp.phases.Phase``, a profile shows each):
@@ -31,7 +32,11 @@ walks these phases in this order (``recover_hsdp.phases.Phase``, a profile shows
      re-plans the step (promote a spare, deal extra microbatches) and the extras are computed;
      rereduce: stale buckets are restored from their snapshots and reduced again, the totals
      summed again; back to 4. A failure during 5 loops again; each loop needs a new death, so
-     it ends.
+     it ends. A clean epoch whose loss or gradient norm is not finite has culprits
+     ([Note: bad replicas], manager/culprits.py): they are excluded from the step, the others
+     compute their microbatches as extras, every bucket is reduced again; back to 4. Each
+     committed step feeds the replicas' compute seconds per microbatch to the policy
+     ([Note: straggler quotas]).
 Invariant: every committed step sums exactly B microbatch gradients: the policy asserts it per
 plan, and the step is measured before it commits ([Note: measured microbatches] in
 recovery/buckets.py): the microbatch gradients the buckets really summed and the token positions
@@ -42,55 +47,27 @@ microbatch, or the step is refused; each bucket reduced under one membership
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Protocol, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from recover_hsdp.collectives.processes import ProcessInfo
 from recover_hsdp.errors import one_line
 from recover_hsdp.faults import ConsensusPoint, FaultInjector
 from recover_hsdp.manager.between_steps import BetweenSteps
+from recover_hsdp.manager.culprits import Culprits
 from recover_hsdp.manager.failures import FailureLog
 from recover_hsdp.manager.local_processes import LocalProcesses
 from recover_hsdp.manager.phases import PhaseHooks, PhaseTimer, profiler_labels
 from recover_hsdp.manager.rejoin import JoinWork, Rejoin
+from recover_hsdp.manager.stragglers import observe_speeds
 from recover_hsdp.manager.totals import StepTotals
+from recover_hsdp.manager.work import StepState, StepWork
 from recover_hsdp.manager.writer import WriterDuties
 from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.phases import Phase
-from recover_hsdp.workload import DataRef, Role, StepPlan, WorkloadPolicy
-
-
-class StepWork(Protocol):
-    """What the trainer does for the manager inside one step (one replica, this rank)."""
-
-    def set_gradient_sync(self, enabled: bool) -> None:
-        """FSDP gradient sync on (last microbatch) or off (accumulate locally)."""
-
-    def forward_backward(self, data: DataRef, nominal_tokens: int,
-                         before_backward: Callable[[], None]) -> tuple[float, int, int]:
-        """Forward + backward of the microbatch at ``data`` (a global id, or a position in a
-        stream slot), loss divided by ``nominal_tokens``; ``before_backward()`` between the two
-        (a phase point). Returns (that loss as a float, valid label tokens, label positions:
-        tokens of the microbatch on this rank, valid or not)."""
-
-    def apply_update(self, grad_scale: float) -> float:
-        """Scale the reduced gradient by ``grad_scale`` (1.0: no-op), clip, optimizer and LR
-        scheduler step. Returns the gradient norm before clipping."""
-
-
-@dataclass
-class _StepState:
-    """What one step accumulates on this rank while the protocol runs."""
-
-    plan: StepPlan
-    nominal_tokens: int
-    stats: dict[int, tuple[float, int, int]] = field(default_factory=dict)  # id -> (loss,
-    # valid tokens, token positions) of this rank's part
-    extras_done: tuple[int, ...] = ()
-    sync_time_s: float = 0.0
-    totals: StepTotals = field(default_factory=StepTotals)
+from recover_hsdp.workload import DataRef, Role, WorkloadPolicy
 
 
 class RecoverManager:
@@ -114,6 +91,7 @@ class RecoverManager:
             tensor-parallel peers of an FSDP rank: they computed the same microbatch).
         respawn_after_steps: ``[recover] respawn_after_steps`` (rejoin; 0: only on request).
         joins: the join primitives for :class:`Rejoin` (tests: the fake world's).
+        nonfinite_max_offences, nonfinite_window_steps: [Note: bad replicas] (``[recover]``).
     """
 
     def __init__(self, *, world, bucket_sync, policy: WorkloadPolicy, faults: FaultInjector,
@@ -121,7 +99,8 @@ class RecoverManager:
                  consistency_check_interval: int = 0,
                  parameter_checksum: Callable[[], float] | None = None,
                  procs: Sequence[ProcessInfo] = (), die: Callable[[], None] | None = None,
-                 counts_data: bool = True, respawn_after_steps: int = 0, joins=None):
+                 counts_data: bool = True, respawn_after_steps: int = 0, joins=None,
+                 nonfinite_max_offences: int = 3, nonfinite_window_steps: int = 100):
         self.world, self.bucket_sync, self.policy = world, bucket_sync, policy
         self.outputs, self.out_dir = outputs, Path(out_dir)
         self.tokens_per_microbatch = tokens_per_microbatch
@@ -143,6 +122,10 @@ class RecoverManager:
                              processes=self.processes, phases=self.phases, out_dir=out_dir,
                              checksum=parameter_checksum,
                              respawn_after_steps=respawn_after_steps, joins=joins)
+        self.culprits = Culprits(world=world, bucket_sync=bucket_sync, outputs=outputs,
+                                 initial_replicas=policy.initial_replicas,
+                                 max_offences=nonfinite_max_offences,
+                                 window_steps=nonfinite_window_steps)
         self.committed_data: list[DataRef] = []  # this replica's data in the last committed step
         self._contract_checked = False
         self._current_step = 0
@@ -179,7 +162,7 @@ class RecoverManager:
         self.timer.new_step()
         with span(step, Phase.PLAN):                                     # 1
             plan = self.policy.plan(step - 1, self.world.alive_replicas)
-            state = _StepState(plan, plan.global_microbatches * self.tokens_per_microbatch)
+            state = StepState(plan, plan.global_microbatches * self.tokens_per_microbatch)
         with span(step, Phase.COMPUTE):                                  # 2 (+ 3's buckets)
             mine = plan.assignment(self.replica)
             self.bucket_sync.begin_step(contributes=mine.commits_compute)
@@ -190,10 +173,23 @@ class RecoverManager:
             state.sync_time_s = time.perf_counter() - sync_started
             self._sum_totals(state)
         while True:
+            self._until_clean(step, work, state)                         # 4, 5
+            with span(step, Phase.COMMIT):                               # 4 -> commit
+                record = self._commit(step, work, state)
+            if record is not None:
+                break
+            self._absorb_culprits(step, work, state)   # not finite: [Note: bad replicas]
+        record["phase_s"] = dict(self.timer.seconds)
+        return record
+
+    def _until_clean(self, step: int, work: StepWork, state: StepState) -> None:
+        """Consensus; while the epoch was not clean: repair, rereduce, consensus again."""
+        span = self.phases.span
+        while True:
             with span(step, Phase.CONSENSUS):                            # 4
                 result = self._consensus(step)
             if result.clean:
-                break
+                return
             with span(step, Phase.REPAIR):                               # 5
                 started = time.perf_counter()
                 self._repair(step, work, result, state)
@@ -205,12 +201,15 @@ class RecoverManager:
                 restore_s=time.perf_counter() - started - extra_s, rebuilt_buckets=rebuilt,
                 extra_microbatches=state.plan.extras_total(),
                 promoted=list(state.plan.promoted()), decided_at=self._decided_at)
-        with span(step, Phase.COMMIT):                                   # 4 -> commit
-            record = self._commit(step, work, state)
-        record["phase_s"] = dict(self.timer.seconds)
-        return record
 
-    def _compute(self, step: int, work: StepWork, ids: Sequence[int], state: _StepState) -> float:
+    def _absorb_culprits(self, step: int, work: StepWork, state: StepState) -> None:
+        """[Note: bad replicas] (manager/culprits.py): exclude the agreed culprits from this
+        step, compute their microbatches as extras, reduce every bucket again."""
+        self.culprits.absorb(step, state, self.policy, self.phases.span, self.replica_error,
+                             lambda: self._compute_new_extras(step, work, state),
+                             lambda: self._rereduce(state))
+
+    def _compute(self, step: int, work: StepWork, ids: Sequence[int], state: StepState) -> float:
         """Forward/backward of ``ids`` (FSDP syncs on the last one). Returns when sync began.
 
         An idle replica computes one microbatch (the next of its stream, not consumed) and
@@ -220,7 +219,7 @@ class RecoverManager:
         mine = state.plan.assignment(self.replica)
         data_ids = [mine.data_ref(i) for i in ids] or [mine.data_ref(mine.stream_start or 0)]
         point = self.phases.point
-        sync_started = time.perf_counter()
+        sync_started = started = time.perf_counter()
         try:
             for index, data_id in enumerate(data_ids):
                 last = index == len(data_ids) - 1
@@ -236,6 +235,9 @@ class RecoverManager:
                 self.world.heartbeat()
         except Exception as err:  # noqa: BLE001 - any error inside the replica: it leaves
             self.replica_error(step, one_line(err))
+        if not self.bucket_sync.collecting_extras:  # [Note: straggler quotas]: the compute
+            busy = time.perf_counter() - started - self.bucket_sync.reduce_s  # less the waits
+            state.compute_s = max(busy, 0.0) / len(data_ids)                 # for the others
         return sync_started
 
     def _on_failed(self, ranks: list[int]) -> None:
@@ -253,7 +255,7 @@ class RecoverManager:
         """[Note: replica-local errors] (manager/failures.py): this rank leaves."""
         self.failures.leave(step, reason)
 
-    def _sum_totals(self, state: _StepState) -> None:
+    def _sum_totals(self, state: StepState) -> None:
         """``StepTotals`` of the committed microbatches, summed over every rank, all measured
         ([Note: measured microbatches]): every rank adds its buckets' count, so the sum must
         come to S x B microbatch gradients; one rank per FSDP rank adds its loss and tokens, so
@@ -266,9 +268,12 @@ class RecoverManager:
         count, agree = self.bucket_sync.reduced_microbatches()           # computed
         totals.reduced, totals.disagree = count, float(not agree)
         totals.join_requests, totals.join_ready, totals.join_failed = self.rejoin.totals()
+        width = self.policy.initial_replicas  # [Note: straggler quotas]: a replica's mean
+        totals.compute_s = [0.0] * width
+        totals.compute_s[self.replica] = state.compute_s / self.world.layout.ranks_per_replica
         values = totals.to_array()  # rejoin's counts ride along: [Note: rejoin at a boundary]
         self.world.allreduce_global(values)
-        state.totals = StepTotals.from_array(values)
+        state.totals = StepTotals.from_array(values, width)
 
     def _consensus(self, step: int):
         """Was the epoch clean everywhere? A rank whose replica lost a rank retires."""
@@ -283,21 +288,25 @@ class RecoverManager:
             self.processes.end_excluded()
         return result
 
-    def _repair(self, step: int, work: StepWork, result, state: _StepState) -> None:
+    def _repair(self, step: int, work: StepWork, result, state: StepState) -> None:
         """Re-plan the step after a shrink and compute the new extras. A failed epoch in which
         nobody died (a transient MPI error) keeps the plan: every bucket is reduced again."""
         if result.dead_replicas:
             state.plan = self.policy.replan(state.plan, result.dead_replicas)
+        self.writer.refresh()
+        self._compute_new_extras(step, work, state)
+
+    def _compute_new_extras(self, step: int, work: StepWork, state: StepState) -> None:
+        """Compute the extras the plan gave this replica since the last call."""
         mine = state.plan.assignment(self.replica)
         new_extras = mine.extra_ids[len(state.extras_done):]
-        self.writer.refresh()
         if new_extras:
             self.bucket_sync.begin_extras()
             self._compute(step, work, new_extras, state)
             work.set_gradient_sync(True)
         state.extras_done = mine.extra_ids
 
-    def _rereduce(self, state: _StepState) -> int:
+    def _rereduce(self, state: StepState) -> int:
         """Restore the stale buckets from their snapshots, reduce them again, sum the totals
         again. Returns how many buckets were rebuilt."""
         mine = state.plan.assignment(self.replica)
@@ -305,14 +314,18 @@ class RecoverManager:
         self._sum_totals(state)
         return rebuilt
 
-    def _commit(self, step: int, work: StepWork, state: _StepState) -> dict[str, Any]:
-        """The epoch was clean: check what was measured, update, record."""
+    def _commit(self, step: int, work: StepWork, state: StepState) -> dict[str, Any] | None:
+        """The epoch was clean: check what was measured, update, record. None: the loss or the
+        gradient norm is not finite, nothing was updated ([Note: bad replicas])."""
         plan, totals, sync = state.plan, state.totals, self.bucket_sync
         assert sync.all_current(), "a bucket was reduced under an older epoch"
         if not self._contract_checked:  # once: [Note: FSDP2 contract] item 3
             sync.check_contract()
             self._contract_checked = True
-        reduced = self._check_measured(step, state)
+        reduced = totals.check_measured(step, plan.committed_total(),
+                                        self.world.layout.ranks_per_replica, state.nominal_tokens)
+        if not math.isfinite(totals.loss):
+            return None
         loss_sum, tokens = totals.loss, int(totals.tokens)
         scale = 1.0
         if tokens and tokens != state.nominal_tokens:  # normalise by the committed tokens
@@ -323,7 +336,10 @@ class RecoverManager:
             grad_norm = work.apply_update(scale)
         except Exception as err:  # noqa: BLE001 - committed elsewhere; this replica's state is lost
             self.replica_error(step, "optimizer: " + one_line(err))
+        if not math.isfinite(grad_norm):
+            return None
         self.policy.commit(plan)
+        observe_speeds(self.policy, self.outputs, step, plan, totals.compute_s)
         self.rejoin.agree_totals(totals.join_requests, totals.join_ready, totals.join_failed)
         mine = plan.assignment(self.replica)
         self.committed_data = [mine.data_ref(i) for i in sorted(mine.committed_ids)]
@@ -341,20 +357,6 @@ class RecoverManager:
             "snapshot_bytes_per_rank": sync.snapshot_bytes(),
         }
 
-    def _check_measured(self, step: int, state: _StepState) -> int:
-        """[Note: measured microbatches]: refuse the step unless the buckets summed B microbatch
-        gradients over B x tokens per microbatch positions. Returns the microbatches summed."""
-        totals, plan = state.totals, state.plan
-        reduced = totals.reduced / self.world.layout.ranks_per_replica
-        if (reduced != plan.committed_total() or int(totals.positions) != state.nominal_tokens
-                or totals.disagree):
-            raise RuntimeError(
-                f"step {step}: refusing to commit: the buckets summed {reduced:g} microbatch "
-                f"gradients over {int(totals.positions)} token positions (buckets disagree on "
-                f"{int(totals.disagree)} ranks), the plan commits B = {plan.committed_total()} "
-                f"over {state.nominal_tokens} ([Note: measured microbatches])")
-        return int(reduced)
-
     def _check_replicas_identical(self, step: int) -> None:
         values = self.world.allgather(self.parameter_checksum())
         if values is not None and len(set(values)) != 1:
@@ -365,6 +367,7 @@ class RecoverManager:
         phase = Phase.REREDUCE if rereduce else Phase.GRAD_SYNC
         bucket = self.bucket_sync.buckets[index]  # a mode=nan fault poisons it (and its snapshot)
         self.phases.point(self._current_step, phase, bucket=index,
+                          buckets_total=len(self.bucket_sync.units),
                           tensors=(bucket.tensor, bucket.snapshot))
 
     def _consensus_point(self, name: str) -> None:

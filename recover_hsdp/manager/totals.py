@@ -2,8 +2,10 @@
 
 [Note: measured microbatches] (recovery/buckets.py) says why the microbatch gradients and token
 positions are counted, not read from the plan; [Note: rejoin at a boundary]
-(manager/rejoin.py) why the join counts ride along. The fields travel as one float64 array in a
-fixed order (``to_array`` / ``from_array``): the only place that order is written.
+(manager/rejoin.py) why the join counts ride along; [Note: straggler quotas]
+(workload/rebalance.py) why each replica's compute seconds per microbatch do. The fields travel
+as one float64 array in a fixed order (``to_array`` / ``from_array``): the only place that
+order is written (the scalar fields, then ``compute_s``, one slot per initial replica).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class StepTotals:
         join_requests: operator join requests the writer sees.
         join_ready: survivors that see the starting newcomers ready.
         join_failed: survivors that see the starting newcomers failed.
+        compute_s: per initial replica, its compute seconds per microbatch in this step (each
+            of its ranks adds its own divided by S: the replica's mean); 0: not measured.
     """
 
     loss: float = 0.0
@@ -39,6 +43,7 @@ class StepTotals:
     join_requests: float = 0.0
     join_ready: float = 0.0
     join_failed: float = 0.0
+    compute_s: list[float] = dataclasses.field(default_factory=list)
 
     def add_microbatch(self, loss: float, tokens: int, positions: int) -> None:
         self.loss += loss
@@ -46,11 +51,31 @@ class StepTotals:
         self.positions += positions
 
     def to_array(self) -> np.ndarray:
-        return np.array([getattr(self, f.name) for f in dataclasses.fields(self)], np.float64)
+        return np.array([getattr(self, name) for name in _SCALARS] + list(self.compute_s),
+                        np.float64)
 
     @classmethod
-    def from_array(cls, values: np.ndarray) -> StepTotals:
-        names = [f.name for f in dataclasses.fields(cls)]
-        if len(values) != len(names):
-            raise ValueError(f"StepTotals: {len(values)} values for {len(names)} fields")
-        return cls(**{name: float(value) for name, value in zip(names, values)})
+    def from_array(cls, values: np.ndarray, replicas: int = 0) -> StepTotals:
+        """``replicas``: the length of ``compute_s`` (W_init)."""
+        if len(values) != len(_SCALARS) + replicas:
+            raise ValueError(f"StepTotals: {len(values)} values for {len(_SCALARS)} fields and "
+                             f"{replicas} replicas")
+        return cls(**{name: float(value) for name, value in zip(_SCALARS, values)},
+                   compute_s=[float(v) for v in values[len(_SCALARS):]])
+
+    def check_measured(self, step: int, committed: int, ranks_per_replica: int,
+                       nominal_tokens: int) -> int:
+        """[Note: measured microbatches]: raise unless the buckets summed ``committed`` (B)
+        microbatch gradients over ``nominal_tokens`` token positions. Returns the
+        microbatches summed."""
+        reduced = self.reduced / ranks_per_replica
+        if reduced != committed or int(self.positions) != nominal_tokens or self.disagree:
+            raise RuntimeError(
+                f"step {step}: refusing to commit: the buckets summed {reduced:g} microbatch "
+                f"gradients over {int(self.positions)} token positions (buckets disagree on "
+                f"{int(self.disagree)} ranks), the plan commits B = {committed} "
+                f"over {nominal_tokens} ([Note: measured microbatches])")
+        return int(reduced)
+
+
+_SCALARS = tuple(f.name for f in dataclasses.fields(StepTotals) if f.name != "compute_s")

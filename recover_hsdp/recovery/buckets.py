@@ -36,6 +36,7 @@ The FSDP2 behaviour all this relies on, and how it is checked, is [Note: FSDP2 c
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +107,8 @@ class BucketSync:
         self.contributes = True
         self.collecting_extras = False
         self.error: str | None = None  # first error raised inside the hook this step (not MPI's)
+        self.reduce_s = 0.0  # seconds inside the cross-replica reduces this step (waiting for
+        # the slowest replica: not this replica's compute, [Note: straggler quotas])
         self.staging = HostStaging()  # GPU buckets' host chunks
         self._pending = [0] * len(self.units)  # backward passes per unit since its last hook
         for index, unit in enumerate(self.units):
@@ -141,6 +144,7 @@ class BucketSync:
         self._by_unit = {}
         self._pending = [0] * len(self.units)
         self.error = None
+        self.reduce_s = 0.0
         self.contributes = contributes
         self.collecting_extras = False
 
@@ -210,7 +214,9 @@ class BucketSync:
         if not self.contributes:
             tensor.zero_()
         self.on_bucket(len(self.buckets) - 1, False)
+        started = time.perf_counter()
         self._reduce(bucket)
+        self.reduce_s += time.perf_counter() - started
 
     def _collect_extra(self, unit: int, tensor: torch.Tensor) -> None:
         bucket = self._by_unit.get(unit)
@@ -244,6 +250,30 @@ class BucketSync:
                     tensor.record_stream(current)
 
     # ------------------------------------------------------------------ recovery
+
+    def nonfinite_buckets(self, contributes: bool) -> list[int]:
+        """Indices of the buckets whose contribution from this rank is not finite: the snapshot
+        (if ``contributes``) or the extra microbatches' gradients. A pass over them: called
+        only on the bad path ([Note: bad replicas] in manager/culprits.py)."""
+        self._join_hook_stream()
+        bad = []
+        for index, bucket in enumerate(self.buckets):
+            parts = ([bucket.snapshot] if contributes else []) + (
+                [bucket.extra] if bucket.extra is not None else [])
+            if any(not bool(torch.isfinite(part).all()) for part in parts):
+                bad.append(index)
+        return bad
+
+    def invalidate(self) -> None:
+        """Every bucket is stale: the sum it holds is poisoned (a non-finite contribution), so
+        the next :meth:`rereduce` rebuilds all of them from their snapshots."""
+        for bucket in self.buckets:
+            bucket.epoch = None
+
+    def drop_extras(self) -> None:
+        """This replica's extra microbatches are no longer committed (it is a culprit)."""
+        for bucket in self.buckets:
+            bucket.extra, bucket.extras = None, 0
 
     def rereduce(self, contributes: bool) -> int:
         """Restore every stale bucket from its snapshot (+ extras) and reduce it under the

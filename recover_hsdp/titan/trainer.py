@@ -16,6 +16,7 @@ adapts TorchTitan to the manager:
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -172,6 +173,8 @@ class RecoverTrainer(Trainer):
             self._dump_step_gradients()
         grad_norm = dist_utils.clip_grad_norm_(params, self.job_config.training.max_norm,
                                                foreach=True)
+        if not math.isfinite(float(grad_norm)):  # [Note: bad replicas]: nothing is updated,
+            return float(grad_norm)              # the manager rebuilds the gradient
         self.optimizers.step()
         self.lr_schedulers.step()
         return float(grad_norm)

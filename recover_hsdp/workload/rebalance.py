@@ -143,7 +143,7 @@ def apportion(b: int, weights: Sequence[float]) -> list[int]:
     while sum(quotas) > b:  # the minimum of 1 took too much: from the largest
         i = max(range(n), key=lambda k: (quotas[k], -k))
         quotas[i] -= 1
-    order = sorted(range(n), key=lambda k: (-(ideal[k] - math.floor(ideal[k])), k))
+    order = sorted(range(n), key=lambda k: (-(ideal[k] - quotas[k]), k))  # what each lacks
     k = 0
     while sum(quotas) < b:
         quotas[order[k % n]] += 1
