@@ -354,6 +354,7 @@ class RecoverManager:
             "epoch": self.world.epoch,
             "g": plan.g, "roles": {r.value: plan.count(r) for r in Role},
             "quota": mine.quota, "sync_time_s": state.sync_time_s,
+            "compute_s_per_microbatch": {str(r): totals.compute_s[r] for r in plan.alive},
             "snapshot_bytes_per_rank": sync.snapshot_bytes(),
         }
 
