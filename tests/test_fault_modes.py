@@ -48,7 +48,8 @@ def test_nan_poisons_the_chosen_bucket_and_its_snapshot_only(tmp_path):
         faults.at(step, Phase.GRAD_SYNC, bucket=3, buckets_total=3)  # after the last one
     finite = [bool(torch.isfinite(t).all()) for pair in buckets for t in pair]
     assert finite == [True, True, False, False, True, True]
-    fired = [json.loads(line) for line in (tmp_path / "faults_fired.jsonl").read_text().splitlines()]
+    fired = [json.loads(line)
+             for line in (tmp_path / "faults_fired.jsonl").read_text().splitlines()]
     assert [(f["step"], f["mode"], f["bucket"]) for f in fired] == [(3, "nan", 1)]
 
 

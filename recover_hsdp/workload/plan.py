@@ -101,7 +101,8 @@ class StepPlan:
     """The work of every alive replica for one step; `round` counts the replans (0: failure-free).
 
     dead: replicas lost during this step, in order; lost_work: (dead replica, ids it had computed),
-    all discarded; culprits: replicas excluded from this step only (``WorkloadPolicy.exclude``). Plans are immutable values: equal events give equal plans on every rank.
+    all discarded; culprits: replicas excluded from this step only (``WorkloadPolicy.exclude``).
+    Plans are immutable values: equal events give equal plans on every rank.
     """
 
     step: int

@@ -1,4 +1,4 @@
-"""Straggler rebalancing: quotas follow the replicas' measured speed (plain Python, no MPI, no torch).
+"""Straggler rebalancing: quotas follow the replicas' measured speed (plain Python: no MPI/torch).
 
 [Note: straggler quotas] A synchronous step waits for its slowest replica, so a replica that is
 alive but slow (a throttled GPU, a noisy host) sets everyone's step time. Each committed step the
