@@ -116,6 +116,7 @@ def _audit_exact(out, c4, shards, b):
         assert set(ids.values()) == {shards}                   # every rank of one replica
 
 
+@pytest.mark.slow  # default suite time: exact mode through deaths: test_end_to_end
 def test_exact_c4_map_style_4x1_two_replicas_killed(tmp_path, c4):
     """Real process: a map-style `datasets` dataset read by real ranks through two real deaths."""
     steps, events = _train(tmp_path, c4, "c4_test", "exact", 4, 1, 5, KILLS)

@@ -69,6 +69,7 @@ def test_global_rank_0_killed_outputs_move_to_lowest_survivor(tmp_path, local_co
     assert read_jsonl(tmp_path / "events.jsonl")[0]["dead_replicas"] == [0]
 
 
+@pytest.mark.slow  # default suite time: the watchdog is proven by test_collectives_faults[*-hang]
 def test_hang_is_detected_within_bound_and_training_continues(tmp_path, local_corpus):
     """Real process: the hang watchdog's own thread kills a process whose main thread is stuck."""
     hang_timeout = 5

@@ -125,6 +125,7 @@ def test_1b_forward_backward_on_cpu_short_sequence():
     assert grad_norm > 0 and tied == "True"
 
 
+@pytest.mark.slow  # default suite time: runs in the slow suite (CI runs both)
 def test_1b_config_file_trains_3_steps_on_cpu(tmp_path, local_corpus):
     """``torchtitan_configs/llama3_1b_hsdp.toml`` itself (C4 streamed with ``datasets``, stream
     mode, TensorBoard, DCP checkpoint at the last step) trains 3 steps on 2 CPU replicas.

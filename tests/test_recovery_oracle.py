@@ -53,7 +53,9 @@ def _check_step_against_oracle(out, step, ranks, expected_dead, global_batch, ov
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("k_first,k_second", [(0, N_BUCKETS), pytest.param(1, N_BUCKETS - 1, marks=pytest.mark.slow)])
+@pytest.mark.slow  # default suite time: the 2 x 2 oracle case below + test_manager_inprocess
+@pytest.mark.parametrize("k_first,k_second", [(0, N_BUCKETS),
+                                              pytest.param(1, N_BUCKETS - 1)])
 def test_kill_after_k_buckets_4x1(tmp_path, local_corpus, k_first, k_second):
     """4 x 1: replica 2 (a major) dies at step 2 after k_first buckets; replica 1 (a major of
     the 3 survivors: G = 2, replica 3 is the spare) at step 3 after k_second; both failure

@@ -78,6 +78,8 @@ def _assert_rejoined(steps, joins, summary, replicas, lost):
     assert ok[-1]["bytes_per_donor_rank"] > 0 and ok[-1]["join_stall_s"] < 30
 
 
+@pytest.mark.slow  # default suite time: test_node_loss::test_replacement_joins_on_a_standby_host
+# joins for real, test_rejoin_inprocess proves the protocol
 def test_respawn_4x1(tmp_path, reference):
     """Real process: MPI_Comm_spawn through PRRTE and the transfer of TorchTitan's real state."""
     out = tmp_path / "run"

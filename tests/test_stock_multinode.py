@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
 from conftest import DEBUG_CONFIG, REPO, read_jsonl
@@ -34,6 +35,7 @@ def _train(cluster: NetnsCluster, out, stock: bool):
     return result
 
 
+@pytest.mark.slow  # default suite time: runs in the slow suite (CI runs both)
 def test_stock_baseline_across_two_hosts_matches_the_mpi_path(tmp_path, local_corpus):
     with NetnsCluster(2, prefix="rh21b", subnet="10.231.22") as cluster:
         stock_run = _train(cluster, tmp_path / "stock", stock=True)
