@@ -146,3 +146,16 @@ def test_a_slow_replica_gets_less_then_its_quota_back(tmp_path):
                 tuple(range(8 * e.step, 8 * e.step + 8)) for e in ledger}) == 1
     changes = [e for e in _lines(tmp_path / "events.jsonl") if e.get("phase") == "rebalance"]
     assert [sorted(e["weights"]) for e in changes] == [["1"], []]
+
+
+def test_nan_in_a_spares_bucket(tmp_path):
+    """4 replicas, B = 4, replica 3 dead at step 1 so G = 2 and one replica is a spare; the
+    spare's zeroed bucket is poisoned at step 3: it is found (its snapshot), excluded, B kept."""
+    hub, results = run_job(tmp_path, replicas=4, g=1, steps=4, work_class=NormWork,
+                           faults=["replica=3,step=1,phase=backward",
+                                   "replica=2,step=3,phase=grad_sync,mode=nan,bucket=0"])
+    works = values_of(results, killed=[(3, 0)])
+    ledger = check_against_oracle(tmp_path, works, 4, 4, b=4)
+    assert ledger[2].roles[2] == "spare" and ledger[2].committed[2] == ()
+    assert [e["culprits"] for e in _nonfinite_events(tmp_path)] == [
+        {"2": {"buckets": [0], "loss": False, "offences": 1, "action": "excluded"}}]

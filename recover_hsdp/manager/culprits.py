@@ -98,7 +98,7 @@ class Culprits:
         width = len(self.bucket_sync.units) + 1  # the buckets, then the loss
         mine = plan.assignment(self.world.replica)
         flags = np.zeros((self.initial_replicas, width), np.float64)
-        for index in self.bucket_sync.nonfinite_buckets(mine.commits_compute):
+        for index in self.bucket_sync.nonfinite_buckets():
             flags[self.world.replica, index] += 1
         losses = [stats[i][0] for i in mine.committed_ids if i in stats]
         flags[self.world.replica, -1] = float(not all(math.isfinite(x) for x in losses))

@@ -251,15 +251,14 @@ class BucketSync:
 
     # ------------------------------------------------------------------ recovery
 
-    def nonfinite_buckets(self, contributes: bool) -> list[int]:
-        """Indices of the buckets whose contribution from this rank is not finite: the snapshot
-        (if ``contributes``) or the extra microbatches' gradients. A pass over them: called
-        only on the bad path ([Note: bad replicas] in manager/culprits.py)."""
+    def nonfinite_buckets(self) -> list[int]:
+        """Indices of the buckets whose snapshot or extra microbatches' gradients on this rank
+        are not finite (a non-contributing replica's too: harmless, it commits nothing). A pass
+        over them: called only on the bad path ([Note: bad replicas] in manager/culprits.py)."""
         self._join_hook_stream()
         bad = []
         for index, bucket in enumerate(self.buckets):
-            parts = ([bucket.snapshot] if contributes else []) + (
-                [bucket.extra] if bucket.extra is not None else [])
+            parts = [bucket.snapshot] + ([bucket.extra] if bucket.extra is not None else [])
             if any(not bool(torch.isfinite(part).all()) for part in parts):
                 bad.append(index)
         return bad
