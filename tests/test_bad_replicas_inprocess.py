@@ -159,3 +159,14 @@ def test_nan_in_a_spares_bucket(tmp_path):
     assert ledger[2].roles[2] == "spare" and ledger[2].committed[2] == ()
     assert [e["culprits"] for e in _nonfinite_events(tmp_path)] == [
         {"2": {"buckets": [0], "loss": False, "offences": 1, "action": "excluded"}}]
+
+
+def test_nan_in_stream_mode_consumes_nothing_of_the_culprits_slot(tmp_path):
+    """Stream mode: the culprit commits no position at step 2 (its slot's cursor stays), the
+    others' extras are positions of their own slots; B and the oracle gradient every step."""
+    hub, results = run_job(tmp_path, replicas=3, g=2, steps=4, mode="stream", work_class=NormWork,
+                           faults=["replica=0,step=2,phase=grad_sync,mode=nan,bucket=2"])
+    works = values_of(results)
+    ledger = check_against_oracle(tmp_path, works, 3, 4, b=6)
+    assert ledger[1].committed[0] == () and ledger[2].stream_start[0] == 2
+    assert ledger[2].stream_start[1] + ledger[2].stream_start[2] == 10  # 4 + 2 extras
