@@ -12,9 +12,9 @@ Every rank that ends (finished or retired) writes DIR/rank<w>.json; the test com
 Scenarios (the failure hits at step --fail-step):
   clean             no failure
   before_allreduce  victims SIGKILL themselves right before the shard all-reduce
-  mid_allreduce     the lowest non-victim rank SIGKILLs the victims half-way through the all-reduce: a
-                    thread watches the middle element of its own buffer and kills as soon as the
-                    in-place reduce has reached it; use a large buffer (--mb 64)
+  mid_allreduce     the lowest non-victim rank SIGKILLs the victims inside the all-reduce: a thread
+                    watches the last element of the first chunk of its own buffer and kills as soon
+                    as the in-place reduce has reached it; use a buffer of several chunks (--mb 16+)
   during_agree      victims SIGKILL themselves 0.3 s into the consensus Agree; a laggard rank enters
                     the Agree only once they are dead, so the Agree cannot finish before the kill and
                     the other ranks are blocked inside it
@@ -80,8 +80,14 @@ def wait_dead(pids, timeout=20.0):
 
 
 def kill_at_middle(buf, pids):
-    """SIGKILL pids as soon as the in-place all-reduce of buf has written its middle element."""
-    mid = buf.size // 2
+    """SIGKILL pids as soon as the in-place all-reduce of buf has written the last element of its
+    first chunk ([Note: chunked reduces]): the other chunks are still to be reduced, so the
+    victims die inside this all-reduce. (Watching the middle element instead left only one 4 MB
+    chunk of a 16 MB buffer after the trigger; on a loaded 2-core box the victims sometimes
+    finished it before the SIGKILL landed, and the death showed up one step late.)"""
+    from recover_hsdp.collectives import CHUNK_BYTES
+
+    mid = min(buf.size // 2, CHUNK_BYTES // buf.itemsize - 1)
     before = float(buf[mid])
 
     def watch():
