@@ -63,6 +63,7 @@ def test_nan_bucket_in_one_replica_4x1(tmp_path, failure_free):
     assert wall < 150, wall
 
 
+@pytest.mark.slow  # default suite time: test_bad_replicas_inprocess proves the K offences
 def test_nan_k_times_retires_the_replica_4x1(tmp_path, failure_free):
     """4 x 1, nonfinite_max_offences = 2: replica 2 NaN at steps 2 and 3: excluded at step 2,
     retired at step 3 (its rank leaves, the others repair the death in the same step); B every

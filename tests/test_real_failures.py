@@ -144,6 +144,7 @@ def test_death_of_one_rank_of_a_2x2_replica_at_start_up(tmp_path):
     assert _check_2x2(tmp_path, steps, wall, [1, 1, 1, 1])["step"] == 1
 
 
+@pytest.mark.slow  # default suite time: test_manager_inprocess proves the writer hand-over
 def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
     """2 x 2: the writer (rank 0 = shard 0 of replica 0) is SIGKILLed after the last commit;
     its replica peer leaves with it (a replica dies as a unit) and replica 1's first rank writes
