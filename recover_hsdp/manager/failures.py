@@ -77,17 +77,27 @@ class FailureLog:
             "errors": self.reasons(dead), **unread_streams(policy, dead)})
 
 
+def _reason_path(out_dir: str | Path, world_rank: int) -> Path:
+    return Path(out_dir) / "errors" / f"rank{world_rank}.json"
+
+
 def write_reason(out_dir: str | Path, record: dict[str, Any]) -> None:
     """``errors/rank<N>.json`` in ``out_dir``: why rank N left (safe from any thread)."""
     try:
-        folder = Path(out_dir) / "errors"
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"rank{record['rank']}.json", "w") as handle:
+        path = _reason_path(out_dir, record["rank"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as handle:
             handle.write(json.dumps(record) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
     except OSError:
         pass  # the reason is on stderr
+
+
+def forget_reasons(out_dir: str | Path, world_ranks) -> None:
+    """Joined newcomers: an earlier life's reason for leaving is not theirs."""
+    for world_rank in world_ranks:
+        _reason_path(out_dir, world_rank).unlink(missing_ok=True)
 
 
 def unread_streams(policy: WorkloadPolicy, dead) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from recover_hsdp.collectives.processes import ProcessInfo
+from recover_hsdp.manager.failures import forget_reasons
 from recover_hsdp.manager.local_processes import LocalProcesses
 from recover_hsdp.manager.phases import PhaseHooks
 from recover_hsdp.manager.writer import WriterDuties
@@ -272,7 +273,7 @@ class Rejoin:
         self.writer.refresh()
         if self.writer.is_writer:
             self.processes.write_registry(self.out_dir)
-            _forget_errors(self.out_dir, channel.ranks)
+            forget_reasons(self.out_dir, channel.ranks)
 
     def _log(self, record: dict[str, Any]) -> None:
         self.outputs.log_event(record)
@@ -357,9 +358,3 @@ def _finish_requests(requests: list[Path], ok: bool) -> None:
             os.replace(path, done / path.name)
         except OSError:
             pass
-
-
-def _forget_errors(out_dir: Path, world_ranks) -> None:
-    """Joined newcomers: an earlier life's error record is not theirs."""
-    for world_rank in world_ranks:
-        (out_dir / "errors" / f"rank{world_rank}.json").unlink(missing_ok=True)

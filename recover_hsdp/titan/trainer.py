@@ -20,10 +20,8 @@ import math
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
