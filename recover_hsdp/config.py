@@ -85,7 +85,20 @@ class Recover:
 
     hang_timeout_s: float = 300.0
     """A rank whose main thread shows no progress for this long kills itself, so that a hung
-    rank becomes an ordinary death (MPI-call deadlines are derived from it)."""
+    rank becomes an ordinary death (MPI-call deadlines are derived from it). From the second
+    step on the bound is learned from the rank's own progress (below) and this is its ceiling
+    ([Note: a hang bound from progress] in collectives/guard.py)."""
+
+    hang_floor_s: float = 30.0
+    """The learned hang bound's floor: a stuck rank is found after max(this,
+    ``hang_progress_factor`` x its longest gap between two beats (microbatch, FSDP bucket,
+    MPI call) in the last 20 steps), at most ``hang_timeout_s``. Measured here (4 x 1, a main
+    thread stuck at step 3): the whole 10-step run took ~50 s with the defaults, 324 s with a
+    fixed 300 s. Set it to ``hang_timeout_s`` for a fixed bound."""
+
+    hang_progress_factor: float = 40.0
+    """How many times longer than its longest recent gap a rank may go without progress. A gap
+    that grows less than this at once (a microbatch 20x slower) is never taken for a hang."""
 
     respawn_after_steps: int = 0
     """Replica rejoin ([Note: rejoin at a boundary] in manager/rejoin.py): this many steps after a
@@ -281,6 +294,12 @@ def validate(job_config, world_size: int | None = None) -> None:
                           "second (heartbeat period = timeout / 4)")
     if rc.hang_timeout_s <= 0:
         raise ConfigError(f"recover.hang_timeout_s must be > 0 (got {rc.hang_timeout_s})")
+    if rc.hang_floor_s <= 0:
+        raise ConfigError(f"recover.hang_floor_s must be > 0 (got {rc.hang_floor_s}); set it to "
+                          "hang_timeout_s for a fixed hang bound")
+    if rc.hang_progress_factor < 1:
+        raise ConfigError(f"recover.hang_progress_factor must be >= 1 (got "
+                          f"{rc.hang_progress_factor}); the default is 40")
     par = job_config.parallelism
     data_ranks_per_replica(rc.ranks_per_replica, par.tensor_parallel_degree)
     if par.pipeline_parallel_degree != 1:

@@ -22,7 +22,9 @@ Faults that do not end the rank ([Note: bad replicas] in manager/culprits.py):
 * ``mode=inf_loss`` (any phase of step N): the loss the replica reports for its microbatches of
   step N is +inf (its gradient is left as computed).
 * ``mode=slow`` (phase forward): ``seconds`` extra before every microbatch's forward from step N
-  on, or for ``steps=K`` steps (a thermally throttled node: alive, progressing, slow).
+  on, or for ``steps=K`` steps (a thermally throttled node: alive, progressing, slow);
+  ``times=F`` instead: every microbatch takes F times as long as this rank's last microbatch
+  before the fault fired (measured by the manager: its own work, without waits).
 
 Before dying the victim appends one line to ``faults_fired.jsonl`` (fsync'ed), the counter the
 tests check afterwards.
@@ -81,6 +83,7 @@ class FaultSpec:
     seconds: float = 30.0
     point: ConsensusPoint = ConsensusPoint.AGREE
     steps: int = 0  # mode=slow: for this many steps (0: until the end of the run)
+    times: float = 0.0  # mode=slow: F times the last microbatch before the fault (0: seconds)
 
     def covers(self, step: int) -> bool:
         """Whether ``step`` is one this fault fires at (a slow fault spans its ``steps``)."""
@@ -103,13 +106,14 @@ class FaultSpec:
                        mode=mode, bucket=int(fields.pop("bucket", 0)),
                        seconds=float(fields.pop("seconds", 30.0)),
                        point=ConsensusPoint(fields.pop("at", "consensus")),
-                       steps=int(fields.pop("steps", 0)))
+                       steps=int(fields.pop("steps", 0)),
+                       times=float(fields.pop("times", 0.0)))
             fields.pop("rank", None)
         except (KeyError, ValueError) as err:
             raise ConfigError(
                 f"--fault {text!r}: {err}: expected replica=R,step=N,phase="
                 f"{'|'.join(p.value for p in Phase)}[,rank=K][,mode="
-                f"{'|'.join(m.value for m in Mode)}][,bucket=B][,seconds=S][,steps=K][,at="
+                f"{'|'.join(m.value for m in Mode)}][,bucket=B][,seconds=S][,steps=K][,times=F][,at="
                 f"{'|'.join(c.value for c in ConsensusPoint)}]") from None
         if fields:
             raise ConfigError(f"--fault {text!r}: unknown key {sorted(fields)[0]!r}")
@@ -134,6 +138,9 @@ def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
         raise ConfigError(f"--fault {text!r}: seconds must be >= 0 for mode=slow")
     if spec.steps and spec.mode is not Mode.SLOW:
         raise ConfigError(f"--fault {text!r}: steps=K is for mode=slow only; drop it")
+    if spec.times and (spec.mode is not Mode.SLOW or spec.times < 1):
+        raise ConfigError(f"--fault {text!r}: times=F is for mode=slow only, with F >= 1 "
+                          "(2: every microbatch twice as long)")
 
 
 def paper_schedule(replicas: int, every: int, max_failures: int, phase: Phase, seed: int,
@@ -158,6 +165,7 @@ class FaultInjector:
         self.replica, self.shard = replica, shard
         self.out_dir = Path(out_dir)
         self._recorded: set[FaultSpec] = set()  # faults that fire many times, recorded once
+        self._base_s: dict[FaultSpec, float] = {}  # mode=slow,times=F: the microbatch before
 
     def on_phase(self, step: int, phase: Phase, detail: dict) -> None:
         """The ``PhaseHooks`` subscriber ([Note: phases as data] in recover_hsdp/phases.py)."""
@@ -165,8 +173,9 @@ class FaultInjector:
 
     def at(self, step: int, phase: Phase, bucket: int | None = None,
            buckets_total: int | None = None, point: ConsensusPoint | None = None,
-           tensors: tuple = ()) -> None:
-        """``tensors``: what a ``mode=nan`` fault poisons (a bucket and its snapshot)."""
+           tensors: tuple = (), last_microbatch_s: float | None = None) -> None:
+        """``tensors``: what a ``mode=nan`` fault poisons (a bucket and its snapshot);
+        ``last_microbatch_s``: this rank's last microbatch (the base of ``mode=slow,times=F``)."""
         for spec in self.mine:
             if spec.phase != phase or not spec.covers(step):
                 continue
@@ -183,9 +192,15 @@ class FaultInjector:
                 continue
             if spec.mode is Mode.SLOW:
                 self._record_once(spec)
-                time.sleep(spec.seconds)
+                time.sleep(self._slow_seconds(spec, last_microbatch_s))
             else:
                 self._fire(spec)
+
+    def _slow_seconds(self, spec: FaultSpec, last_microbatch_s: float | None) -> float:
+        if not spec.times:
+            return spec.seconds
+        base = self._base_s.setdefault(spec, last_microbatch_s or 0.0)
+        return (spec.times - 1.0) * base
 
     def _poison(self, spec: FaultSpec, bucket: int | None, buckets_total: int | None,
                 tensors: tuple) -> None:

@@ -238,6 +238,9 @@ class FakeWorld:
         with self.hub._cond:
             self._count("heartbeat")
 
+    def step_done(self, longest_unit_s: float = 0.0) -> None:
+        pass
+
     def watchdog_paused(self):
         return contextlib.nullcontext()
 

@@ -28,6 +28,8 @@ def test_parse_the_new_modes():
     ("replica=1,step=3,phase=grad_sync,mode=slow", "mode=slow fires at phase=forward"),
     ("replica=1,step=3,mode=sigkill,steps=2", "steps=K is for mode=slow only"),
     ("replica=1,step=3,mode=slow,seconds=-1", "seconds must be >= 0"),
+    ("replica=1,step=3,mode=slow,times=0.5", "times=F is for mode=slow only, with F >= 1"),
+    ("replica=1,step=3,mode=hang,times=2", "times=F is for mode=slow only"),
 ])
 def test_refused_in_one_line(text, words):
     with pytest.raises(ConfigError, match=words) as info:
@@ -85,3 +87,12 @@ def test_slow_sleeps_before_each_forward_for_its_steps(tmp_path):
     assert took[1] < 0.05 and took[4] < 0.05
     assert took[2] >= 0.1 and took[3] >= 0.1
     assert len((tmp_path / "faults_fired.jsonl").read_text().splitlines()) == 1
+
+
+def test_slow_times_f_is_relative_to_the_last_microbatch_before_the_fault(tmp_path):
+    faults = _injector(tmp_path, "replica=1,step=2,mode=slow,times=3")
+    started = time.perf_counter()
+    faults.at(2, Phase.FORWARD, last_microbatch_s=0.04)    # sleeps (3 - 1) x 0.04 s
+    faults.at(3, Phase.FORWARD, last_microbatch_s=0.12)    # the base stays the one before
+    took = time.perf_counter() - started
+    assert 0.16 <= took < 0.3, took

@@ -11,6 +11,7 @@ the debug config): a divergence would stop the run, so finishing is part of the 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -22,13 +23,15 @@ STEPS = 10
 B = 4
 
 
-def _train(out, faults=(), replicas=4, ranks=1, extra=(), timeout=300):
+def _train(out, faults=(), replicas=4, ranks=1, extra=(), timeout=300, hang_timeout="20"):
+    """``hang_timeout`` None: the default hang settings ([Note: a hang bound from progress])."""
     args = ["train", "--config", str(DEBUG_CONFIG), "--replicas", str(replicas),
             "--ranks-per-replica", str(ranks), "--out", str(out)]
     for fault in faults:
         args += ["--fault", fault]
     started = time.monotonic()
-    result = run_cli(args + ["--", "--recover.hang_timeout_s", "20", *extra], timeout=timeout)
+    hang = ["--recover.hang_timeout_s", hang_timeout] if hang_timeout else []
+    result = run_cli(args + ["--", *hang, *extra], timeout=timeout)
     wall = time.monotonic() - started
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     return result, read_jsonl(out / "metrics.jsonl"), wall
@@ -179,6 +182,46 @@ def test_a_second_run_into_the_same_folder_starts_afresh(tmp_path):
     assert [line["step"] for line in read_jsonl(tmp_path / "ledger.jsonl")] == [0, 1]
     assert not (tmp_path / "faults_fired.jsonl").exists()
     assert not (tmp_path / "events.jsonl").exists() or not (tmp_path / "events.jsonl").read_text()
+
+
+def test_a_stuck_main_thread_costs_tens_of_seconds_with_the_default_settings(
+        tmp_path, failure_free):
+    """4 x 1, default hang settings (hang_timeout_s 300, hang_floor_s 30): replica 3's main
+    thread sleeps forever inside step 3's backward. Its hang bound, learned from its own
+    progress, is the 30 s floor: it kills itself, the others repair, step 3 commits B. Before the
+    learned bound this run took 324 s (the fixed 300 s).
+    Real process: a live process whose main thread is stuck (its watchdog thread runs)."""
+    result, steps, wall = _train(tmp_path, hang_timeout=None,
+                                 faults=["replica=3,step=3,phase=backward,mode=hang"])
+    summary = _check(tmp_path, steps, failure_free, alive_after=3, wall=wall)
+    assert [s["alive_replicas"] for s in steps] == [4, 4] + [3] * 8
+    assert 30 <= steps[2]["step_time_s"] < 30 + 20, steps[2]["step_time_s"]  # floor + repair
+    assert summary["wall_s"] < 60, summary["wall_s"]        # the run, start-up excluded
+    assert "hang bound 30.0 s" in result.stderr
+    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    assert event["dead_replicas"] == [3] and event["step"] == 3
+
+
+@pytest.mark.slow  # default suite time: tests/test_hang_bound.py proves the bound's logic
+def test_a_replica_20x_slower_is_not_a_hang_but_a_stuck_one_is_found_fast(tmp_path, failure_free):
+    """The learned hang bound with a 1 s floor, so that only the progress factor (40) protects a
+    slow replica: every microbatch of replica 1 takes 20x its own last one (``times=20``, the
+    whole extra in one sleep: one gap) in steps 3-5 and it is never taken for a hung one; replica
+    3's main thread sticks at step 7 and is found after ~40 x its own microbatch: seconds, not
+    the 120 s ceiling.
+    Real process: a sleeping (slow) main thread that progresses, and one that never returns."""
+    result, steps, wall = _train(tmp_path, extra=["--recover.hang_floor_s", "1"], faults=[
+        "replica=1,step=3,phase=forward,mode=slow,times=20,steps=3",
+        "replica=3,step=7,phase=backward,mode=hang"], timeout=400, hang_timeout="120")
+    _check(tmp_path, steps, failure_free, alive_after=3, wall=wall, bound=300)
+    assert [s["alive_replicas"] for s in steps] == [4] * 6 + [3] * 4     # replica 1 stayed
+    per_microbatch = [s["compute_s_per_microbatch"]["1"] for s in steps[1:5]]
+    assert per_microbatch[1] > 15 * per_microbatch[0], per_microbatch     # measured: ~20x
+    (bound,) = re.findall(r"> hang bound ([0-9.]+) s = .*max\(hang_floor_s 1.0", result.stderr)
+    assert float(bound) < 60                   # learned from progress, far below the ceiling
+    assert steps[6]["step_time_s"] < float(bound) + 20, (bound, steps[6]["step_time_s"])
+    (event,) = read_jsonl(tmp_path / "events.jsonl")
+    assert event["dead_replicas"] == [3] and event["step"] == 7
 
 
 @pytest.mark.slow  # default suite time: detection_bench measures the same 10/10 times

@@ -10,10 +10,11 @@ forever. This module bounds both cases and turns them into an ordinary death, wh
   later as a backstop, because a thread cannot run while an MPI call holds the GIL (``MPI_Finalize``
   does; collectives release it). See [Note: deadline as a safety net].
 * **Hang watchdog.** Outside MPI calls the main thread must show progress: every guarded MPI call beats
-  the heartbeat, and so must ``heartbeat()``. If nobody beats for ``hang_timeout_s`` the watchdog logs
-  and SIGKILLs its own process, so its peers see a death (within ``hang_timeout_s`` plus detection)
-  instead of waiting for it forever. Long legitimate computations either beat (cheap: one float store)
-  or run inside ``paused()``.
+  the heartbeat, and so must ``heartbeat()``. If nobody beats for the hang bound the watchdog logs
+  and SIGKILLs its own process, so its peers see a death (within the bound plus detection) instead of
+  waiting for it forever. The bound is ``hang_timeout_s``, or learned from the rank's own progress
+  ([Note: a hang bound from progress]). Long legitimate computations either beat (cheap: a float
+  store and a compare) or run inside ``paused()``.
 
 Invariants: only the main thread calls MPI (the watchdog thread only reads two floats and may kill its
 own process); the guard owns SIGALRM in this process; ``call()`` contexts do not nest.
@@ -24,10 +25,29 @@ Open MPI (see docs/ULFM_NOTES.md). A deadline converts that deadlock into a deat
 costs one healthy rank but never hangs the job. It must therefore be generous: longer than the worst
 legitimate wait, which includes a peer that computes longer (skew) and a hung peer that its own watchdog
 has not killed yet. Hence ``Deadlines`` requires ``call_s`` and ``repair_s`` > ``hang_timeout_s``.
+
+[Note: a hang bound from progress]
+A fixed hang timeout must exceed the longest legitimate gap between two beats of any step of any run
+(the first step's warm-up, a big model's microbatch), so a stuck rank stalls every replica for minutes
+(300 s by default). But each rank measures its own progress: its units of work (a microbatch's forward
+and backward, as the manager reports them) and the gaps between its beats (every phase point and
+guarded MPI call beats; time inside an MPI call or ``paused()`` is not a gap). ``ProgressBound`` keeps
+the longest unit or gap of each of the last ``window_steps`` steps after the first ``warmup_steps``
+(compile, allocator and cache warm-up are not typical) and bounds the next gap by ``min(hang_timeout_s,
+max(hang_floor_s, hang_progress_factor x longest))``. Until a step past the warm-up is done the bound
+is ``hang_timeout_s``. A rank that slows down is never killed for it as long as a whole microbatch
+grows less than ``hang_progress_factor``-fold at once (default 40: a microbatch 20x slower passes even
+as one gap, and the longer units then raise the bound for the next steps); a quota raised to 4 G only
+adds units of the usual length. A stuck rank costs max(floor, factor x its usual microbatch): tens of
+seconds. ``hang_timeout_s`` stays the ceiling, so the MPI deadlines derived from it ([Note: deadline
+as a safety net]) still outlive a hung peer's watchdog. Limits: a rank whose stuck main thread holds
+the GIL (a C call that does not release it) starves this thread too; then its peers' MPI deadline or
+the replica heartbeat ends it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -49,6 +69,10 @@ class Deadlines:
             peer blocks Shrink and Agree until its own watchdog kills it.
         hang_timeout_s: The watchdog kills this process when its main thread has been outside MPI
             without a heartbeat for this long. ``None`` disables the hang watchdog (deadlines stay).
+            With ``hang_floor_s`` set it is the ceiling of the learned bound.
+        hang_floor_s: ``None``: the hang bound is ``hang_timeout_s``. Else the bound is learned from
+            this rank's progress, never below this ([Note: a hang bound from progress]).
+        hang_progress_factor: The learned bound in multiples of the longest recent beat gap.
         backstop_s: Extra seconds after a deadline before the kernel timer (SIGALRM) terminates the
             process, in case the watchdog thread cannot run (GIL held inside MPI).
         poll_s: How often the watchdog thread checks. ``None``: min(1 s, smallest bound / 10).
@@ -62,6 +86,8 @@ class Deadlines:
     call_s: float = 600.0
     repair_s: float = 900.0
     hang_timeout_s: float | None = 300.0
+    hang_floor_s: float | None = None
+    hang_progress_factor: float = 40.0
     backstop_s: float = 10.0
     poll_s: float | None = None
     max_repair_rounds: int | None = None
@@ -82,6 +108,11 @@ class Deadlines:
                     raise ValueError(f"Deadlines.{name} ({getattr(self, name)}) must be > hang_timeout_s "
                                      f"({self.hang_timeout_s}): survivors must outlive a hung peer's "
                                      "watchdog")
+        if self.hang_floor_s is not None and not self.hang_floor_s > 0:
+            raise ValueError(f"Deadlines.hang_floor_s must be > 0 or None (got {self.hang_floor_s!r})")
+        if not self.hang_progress_factor >= 1:
+            raise ValueError("Deadlines.hang_progress_factor must be >= 1 (got "
+                             f"{self.hang_progress_factor!r})")
         if self.max_repair_rounds is not None and self.max_repair_rounds < 1:
             raise ValueError(f"Deadlines.max_repair_rounds must be >= 1 (got {self.max_repair_rounds!r})")
 
@@ -95,8 +126,61 @@ class Deadlines:
     def effective_poll_s(self) -> float:
         if self.poll_s is not None:
             return self.poll_s
-        bounds = [self.call_s, self.repair_s] + ([self.hang_timeout_s] if self.hang_timeout_s else [])
+        bounds = [self.call_s, self.repair_s] + [b for b in (self.hang_timeout_s, self.hang_floor_s)
+                                                 if b]
         return min(1.0, min(bounds) / 10.0)
+
+
+class ProgressBound:
+    """The hang bound of one rank, learned from the gaps between its beats ([Note: a hang bound
+    from progress]). Main thread: ``gap`` and ``step_done``; any thread may read ``seconds``."""
+
+    def __init__(self, ceiling_s: float, floor_s: float | None, factor: float,
+                 window_steps: int = 20, warmup_steps: int = 1) -> None:
+        self.ceiling_s, self.floor_s, self.factor = ceiling_s, floor_s, factor
+        self.warmup_steps = warmup_steps
+        self._window: collections.deque[float] = collections.deque(maxlen=window_steps)
+        self._steps = 0
+        self._step_longest = 0.0  # the longest gap of the step under way
+        self.seconds = ceiling_s  # a float store: read by the watchdog thread without a lock
+
+    @property
+    def learned(self) -> bool:
+        return self.floor_s is not None and bool(self._window)
+
+    @property
+    def longest_gap_s(self) -> float:
+        return max(max(self._window, default=0.0), self._step_longest)
+
+    def gap(self, seconds: float) -> None:
+        """The main thread beat ``seconds`` after its previous beat."""
+        if seconds > self._step_longest:
+            self._step_longest = seconds
+            if self.learned:
+                self._update()
+
+    def step_done(self, longest_unit_s: float = 0.0) -> None:
+        """A step ended: its longest gap, or its longest unit of work if longer, enters the
+        window (after the warm-up steps)."""
+        self._step_longest = max(self._step_longest, longest_unit_s)
+        self._steps += 1
+        if self._steps > self.warmup_steps:
+            self._window.append(self._step_longest)
+        self._step_longest = 0.0
+        if self.floor_s is not None:
+            self._update()
+
+    def _update(self) -> None:
+        if self._window:
+            self.seconds = min(self.ceiling_s,
+                               max(self.floor_s, self.factor * self.longest_gap_s))
+
+    def describe(self) -> str:
+        if not self.learned:
+            return f"hang_timeout_s={self.ceiling_s}"
+        return (f"hang bound {self.seconds:.1f} s = min(hang_timeout_s {self.ceiling_s}, "
+                f"max(hang_floor_s {self.floor_s}, {self.factor} x longest recent microbatch or gap "
+                f"{self.longest_gap_s:.2f} s))")
 
 
 def log_line(msg: str) -> None:
@@ -123,6 +207,9 @@ class MpiGuard:
         # [Note: deadline as a safety net] SIG_DFL terminates the process even while the main thread
         # sits in C code; a Python-level handler would never run there.
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        self.progress = (None if deadlines.hang_timeout_s is None else
+                         ProgressBound(deadlines.hang_timeout_s, deadlines.hang_floor_s,
+                                       deadlines.hang_progress_factor))
         self._beat = time.monotonic()
         self._call: tuple[str, float, float] | None = None  # (name, started, deadline)
         self._paused = 0
@@ -133,7 +220,17 @@ class MpiGuard:
     # -- main-thread API ------------------------------------------------------------------------
     def beat(self) -> None:
         """Heartbeat: the main thread is making progress."""
-        self._beat = time.monotonic()
+        now = time.monotonic()
+        if self.progress is not None and not self._paused:
+            self.progress.gap(now - self._beat)
+        self._beat = now
+
+    def step_done(self, longest_unit_s: float = 0.0) -> None:
+        """A training step ended; its longest unit of work took ``longest_unit_s`` ([Note: a
+        hang bound from progress])."""
+        self.beat()
+        if self.progress is not None:
+            self.progress.step_done(longest_unit_s)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -143,14 +240,14 @@ class MpiGuard:
             yield
         finally:
             self._paused -= 1
-            self.beat()
+            self._beat = time.monotonic()  # the pause is not a gap
 
     @contextlib.contextmanager
     def call(self, name: str, seconds: float) -> Iterator[None]:
         """Run one MPI call under a deadline of ``seconds`` (see module docstring)."""
         assert self._call is None, f"nested guarded MPI calls ({self._call[0]} then {name})"
-        now = time.monotonic()
-        self._beat = now
+        self.beat()  # the compute before the call is a gap; the wait inside it is not
+        now = self._beat
         self._call = (name, now, now + seconds)
         signal.setitimer(signal.ITIMER_REAL, seconds + self.deadlines.backstop_s)
         try:
@@ -168,17 +265,24 @@ class MpiGuard:
             self._thread.join(timeout=5.0)
 
     # -- watchdog thread ------------------------------------------------------------------------
+    def verdict(self, now: float) -> str | None:
+        """Why this rank must die at ``now`` (a deadline passed, no progress), else None."""
+        call = self._call
+        if call is not None:
+            name, started, deadline = call
+            if now > deadline:
+                return (f"{self.name}: MPI call {name} still blocked after {now - started:.1f} s "
+                        "(deadline): killing this rank so that ULFM sees an ordinary death")
+        elif self.progress is not None and not self._paused \
+                and now - self._beat > self.progress.seconds:
+            return (f"{self.name}: no progress (heartbeat) for {now - self._beat:.1f} s > "
+                    f"{self.progress.describe()}: killing this hung rank so that ULFM sees an "
+                    "ordinary death")
+        return None
+
     def _watch(self) -> None:
         poll = self.deadlines.effective_poll_s
-        hang = self.deadlines.hang_timeout_s
         while not self._stop.wait(poll):
-            now = time.monotonic()
-            call = self._call
-            if call is not None:
-                name, started, deadline = call
-                if now > deadline:
-                    die(f"{self.name}: MPI call {name} still blocked after {now - started:.1f} s "
-                        "(deadline): killing this rank so that ULFM sees an ordinary death")
-            elif hang is not None and not self._paused and now - self._beat > hang:
-                die(f"{self.name}: no progress (heartbeat) for {now - self._beat:.1f} s > "
-                    f"hang_timeout_s={hang}: killing this hung rank so that ULFM sees an ordinary death")
+            reason = self.verdict(time.monotonic())
+            if reason is not None:
+                die(reason)

@@ -156,6 +156,12 @@ class FaultTolerantWorld:
         """Tell the hang watchdog the main thread is making progress (every guarded call also beats)."""
         self._guard.beat()
 
+    def step_done(self, longest_unit_s: float = 0.0) -> None:
+        """A training step ended; its longest unit of work (a microbatch) took ``longest_unit_s``:
+        the hang bound learns from its progress ([Note: a hang bound from progress] in
+        ``recover_hsdp.collectives.guard``)."""
+        self._guard.step_done(longest_unit_s)
+
     def watchdog_paused(self):
         """Context manager: no hang detection inside (MPI-call deadlines still apply)."""
         return self._guard.paused()

@@ -58,7 +58,8 @@ class BetweenSteps:
             self.writer.refresh()
             if self.writer.is_writer:
                 self.phases.point(step, Phase.FINISH)
-                write_outputs()
+                with self.world.watchdog_paused():  # a final save can take minutes
+                    write_outputs()
             if self.agree(True, "end of run", step, policy):
                 break
         self.writer.close()

@@ -109,6 +109,9 @@ class RecoverManager:
         self.counts_data = counts_data
         self.phases, self.timer = PhaseHooks(), PhaseTimer()
         self.faults = faults  # also asked for the loss a microbatch reports (mode=inf_loss)
+        # every point is progress for the hang bound ([Note: a hang bound from progress] in
+        # collectives/guard.py): before the injector, whose hang then starts a measured gap
+        self.phases.subscribe(lambda step, phase, detail: world.heartbeat())
         self.phases.subscribe(faults.on_phase)
         self.phases.open_spans_with(profiler_labels)
         self.phases.open_spans_with(self.timer)
@@ -126,6 +129,7 @@ class RecoverManager:
                                  initial_replicas=policy.initial_replicas,
                                  max_offences=nonfinite_max_offences,
                                  window_steps=nonfinite_window_steps)
+        self._last_microbatch_s: float | None = None  # this rank's, measured (its own work)
         self.committed_data: list[DataRef] = []  # this replica's data in the last committed step
         self._contract_checked = False
         self._current_step = 0
@@ -180,6 +184,7 @@ class RecoverManager:
                 break
             self._absorb_culprits(step, work, state)   # not finite: [Note: bad replicas]
         record["phase_s"] = dict(self.timer.seconds)
+        self.world.step_done(state.longest_microbatch_s)
         return record
 
     def _until_clean(self, step: int, work: StepWork, state: StepState) -> None:
@@ -224,15 +229,22 @@ class RecoverManager:
             for index, data_id in enumerate(data_ids):
                 last = index == len(data_ids) - 1
                 work.set_gradient_sync(last)
+                microbatch_started = time.perf_counter()
+                waited = self.bucket_sync.reduce_s
                 if last:
-                    sync_started = time.perf_counter()
-                point(step, Phase.FORWARD)
+                    sync_started = microbatch_started
+                point(step, Phase.FORWARD, last_microbatch_s=self._last_microbatch_s)
                 measured = work.forward_backward(
                     data_id, state.nominal_tokens, lambda: point(step, Phase.BACKWARD))
                 measured = (self.faults.loss_of(step, measured[0]), *measured[1:])
                 if ids:
                     state.stats[ids[index]] = measured
                 self.world.heartbeat()
+                # the microbatch's own work, less its waits in the cross-replica reduces
+                self._last_microbatch_s = (time.perf_counter() - microbatch_started
+                                           - (self.bucket_sync.reduce_s - waited))
+                state.longest_microbatch_s = max(state.longest_microbatch_s,
+                                                 self._last_microbatch_s)
         except Exception as err:  # noqa: BLE001 - any error inside the replica: it leaves
             self.replica_error(step, one_line(err))
         if not self.bucket_sync.collecting_extras:  # [Note: straggler quotas]: the compute

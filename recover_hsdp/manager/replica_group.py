@@ -27,7 +27,7 @@ main thread (long compute, a checkpoint save, the model build at start-up all be
 Python releases the GIL every 5 ms), a rank that leaves normally says goodbye (the world's
 ``on_leave``: retire, end of run), and a thread that could not run itself restarts its peers'
 clocks. Left to the hang watchdog: a live rank whose main thread is stuck (its heartbeat thread
-beats on) -- it kills itself after ``hang_timeout_s`` and is then a dead peer. S = 1: no
+beats on) -- it kills itself after its hang bound and is then a dead peer. S = 1: no
 heartbeat. ``detect_timeout_s = 0``: no heartbeat either (as for the MPI detector).
 
 Timers, shortest first (defaults ``detect_timeout_s`` 4, ``hang_timeout_s`` H = 300), and which
@@ -39,7 +39,7 @@ fires first for a failure of a rank of this replica:
   dead process                gloo socket reset; NCCL: heartbeat / MPI      ms; detect_timeout_s
   frozen process (SIGSTOP)    heartbeat (+ MPI detector for the others)     detect_timeout_s
   cut link                    heartbeat on both sides (+ MPI detector)      detect_timeout_s
-  stuck main thread           hang watchdog of the stuck rank (then: dead)  H
+  stuck main thread           hang watchdog of the stuck rank (then: dead)  learned, <= H
   slow step / save / build    nothing (threads beat; watchdog paused)       --
   deadlock inside Open MPI    MPI-call deadline (+ backstop 10 s)           2H+30 / 3H+30
   all of the above missed     replica group timeout (gloo; NCCL watchdog,   2H+30 + 3H+30 + 20
@@ -74,9 +74,12 @@ _ACTIVE: ReplicaHeartbeat | None = None
 
 
 def job_deadlines(job_config) -> Deadlines:
-    """The MPI deadlines of a job, derived from ``[recover] hang_timeout_s``."""
-    hang = job_config.recover.hang_timeout_s
+    """The MPI deadlines of a job, derived from ``[recover] hang_timeout_s`` (the ceiling of the
+    learned hang bound: [Note: a hang bound from progress] in collectives/guard.py)."""
+    rc = job_config.recover
+    hang = rc.hang_timeout_s
     return Deadlines(call_s=2 * hang + 30, repair_s=3 * hang + 30, hang_timeout_s=hang,
+                     hang_floor_s=rc.hang_floor_s, hang_progress_factor=rc.hang_progress_factor,
                      retire_grace_s=min(2.0, hang / 4))
 
 

@@ -41,4 +41,5 @@ class StepState:
     extras_done: tuple[int, ...] = ()
     sync_time_s: float = 0.0
     compute_s: float = 0.0  # seconds per microbatch of this rank's compute phase
+    longest_microbatch_s: float = 0.0  # for the hang bound (collectives/guard.py)
     totals: StepTotals = field(default_factory=StepTotals)
