@@ -243,6 +243,11 @@ class Rejoin:
             self._joined(channel, replicas, policy)
 
     def _send_state(self, channel, work: JoinWork, replicas, policy: WorkloadPolicy):
+        # copying a model's whole state is long work without beats; its sends keep deadlines
+        with self.world.watchdog_paused():
+            return self._send_state_unwatched(channel, work, replicas, policy)
+
+    def _send_state_unwatched(self, channel, work: JoinWork, replicas, policy: WorkloadPolicy):
         started = time.perf_counter()
         meta = {"work": work.join_meta(), "policy": policy.state_dict(),
                 "ledger": self.writer.ledger_records, "steps": self.outputs.steps,
@@ -324,6 +329,10 @@ class Rejoin:
     def _receive_state(self, channel, offer, work: JoinWork) -> dict[str, Any] | None:
         """The donor's state into this rank's tensors; None if it did not arrive whole or the
         parameters differ from the donor's."""
+        with self.world.watchdog_paused():  # as for the donor's copy (_send_state)
+            return self._receive_state_unwatched(channel, offer, work)
+
+    def _receive_state_unwatched(self, channel, offer, work: JoinWork) -> dict[str, Any] | None:
         world = self.world
         assert channel.ranks[channel.merged.Get_rank()] == world.world_rank, \
             "join offer: wrong replica id"
