@@ -74,7 +74,7 @@ class RunMetrics:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             backfill_jsonl(self.out_dir / "metrics.jsonl", self.steps, lambda r: r["step"])
             backfill_jsonl(self.out_dir / "events.jsonl", self.events,
-                           lambda r: (r["step"], r["epoch"]))
+                           lambda r: (r["step"], r["epoch"], r.get("phase")))
         self.is_writer = is_writer
 
     def _append(self, name: str, record: dict[str, Any]) -> None:

@@ -101,10 +101,12 @@ class StandInWork:
 
 def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", keep_spares=True,
             errors=None, update_errors=None, transient=None, work_class=None, policy_kwargs=None,
-            manager_kwargs=None):
+            manager_kwargs=None, after_step=None):
     """Run ``steps`` steps on every rank; returns (hub, {(r, s): StandInWork or exception}).
     ``work_class`` (default ``StandInWork``), ``policy_kwargs`` and ``manager_kwargs`` extend
-    the rank's parts (tests/test_bad_replicas_inprocess.py)."""
+    the rank's parts (tests/test_bad_replicas_inprocess.py); ``after_step(manager, work,
+    step)`` runs between steps, where the trainer saves checkpoints
+    (tests/test_checkpoint_agreement.py)."""
     hub = FakeHub(replicas, shards)
     errors, update_errors, transient = errors or {}, update_errors or {}, transient or {}
 
@@ -128,7 +130,10 @@ def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", kee
             work.step = step
             record = manager.step(step, work)
             outputs.log_step({**record, "step_time_s": 0.0})  # what the trainer adds, then logs
-        manager.finish_run(lambda: outputs.write_summary({"writer": list(key)}))
+            if after_step is not None:
+                after_step(manager, work, step)
+        manager.finish_run(lambda: outputs.write_summary(
+            {"writer": list(key), "alive_replicas": len(world.alive_replicas)}))
         return work
 
     return hub, run_ranks(hub, rank)

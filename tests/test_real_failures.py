@@ -118,7 +118,7 @@ def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
     result, steps, wall = _train(tmp_path, faults=[f"replica=0,step={STEPS},phase=finish"],
                                  extra=["--recover.save_final_params"])
     summary = _check(tmp_path, steps, failure_free, alive_after=4, wall=wall)
-    assert summary["alive_replicas"] == 4  # the last step committed with 4 replicas
+    assert summary["alive_replicas"] == 3  # the writer's replica died after the last step
     assert (tmp_path / "final_params.pt").exists()
     (event,) = read_jsonl(tmp_path / "events.jsonl")
     assert event["phase"] == "end of run" and event["dead_replicas"] == [0]
@@ -162,6 +162,7 @@ def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
     assert all(s["reduced_microbatches"] == 2 and s["alive_replicas"] == 2 for s in steps)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 4
+    assert summary["alive_replicas"] == 1  # alive at the end, not at the last step's commit
     assert (tmp_path / "final_params.pt").exists()
     assert [line["step"] for line in read_jsonl(tmp_path / "ledger.jsonl")] == [0, 1, 2, 3]
     (event,) = read_jsonl(tmp_path / "events.jsonl")

@@ -1,4 +1,4 @@
-"""``BetweenSteps``: agreements outside a step (the checkpoint gather, the end of a run).
+"""``BetweenSteps``: agreements outside a step (the checkpoint gather and save, the end of a run).
 
 Between two steps the survivors still agree through the fault-tolerant world before they act on
 something only one replica does (the writer writes the run's outputs; the saving replica writes
@@ -41,6 +41,49 @@ class BetweenSteps:
             if self.agree(clean, "checkpoint", step, policy):
                 return dict(zip(self.world.alive_replicas, values))
             self.writer.refresh()
+
+    def save_checkpoint(self, save: Callable[[], str | None], step: int,
+                        policy: WorkloadPolicy) -> bool:
+        """Save ``step``'s checkpoint on the saving replica and agree it is complete; see
+        [Note: a checkpoint the survivors agree on]. ``save`` runs on every rank of the saving
+        replica and returns None when it saved, else the reason (one line). Returns whether the
+        checkpoint was saved.
+
+        [Note: a checkpoint the survivors agree on] One replica writes a checkpoint ([Note: one
+        replica saves] in titan/trainer.py); the others wait for it in one small exchange (an
+        allgather of every rank's outcome, then the fault-tolerant agreement), so nobody goes on
+        or ends the run before the save is known to be complete. Write, then agree: a saving
+        rank reaches the exchange only once its save returned (DCP renames ``.metadata`` into
+        the folder last, after every rank's files are written; a save starts by removing an
+        older ``.metadata`` of the same step, so a half-written folder never looks complete and
+        TorchTitan's loader skips it). A death makes the agreement unclean; the world is
+        repaired and, if the saving replica was the one lost, the next saver (the new lowest
+        alive replica, the writer's: [Note: the writer]) saves the step again from its own
+        state (every replica holds the same parameters and, gathered before, the same loader
+        states); a saver still alive had saved before it agreed, and says so again. Each round
+        needs a new death, so this ends. A save that raised without a death (storage) is
+        agreed as not saved, recorded in events.jsonl and the run goes on (redoing it on
+        another replica would fail the same way). Cost without failures: the allgather of one
+        small object and one agreement per save."""
+        saver, mine, redone = None, None, False
+        while True:
+            alive = self.world.alive_replicas
+            if saver not in alive:  # the first round, or the saving replica died
+                redone, saver = saver is not None, min(alive)
+                mine = (save() or "") if self.writer.saves_checkpoints else None
+            values = self.world.allgather_global(mine)
+            clean = values is not None and not self.world.epoch_failed
+            if self.agree(clean, "checkpoint save", step, policy):
+                break
+            self.writer.refresh()
+        errors = sorted({v for v in values if v})
+        if redone or errors:
+            self.writer.outputs.log_event({
+                "step": step, "epoch": self.world.epoch, "phase": "checkpoint",
+                "saved": not errors, "saved_by": saver, "redone": redone, "errors": errors})
+        if errors and self.writer.is_writer:
+            print(f"[recover-hsdp] step {step}: checkpoint NOT saved: {errors[0]}", flush=True)
+        return not errors
 
     def finish_run(self, write_outputs: Callable[[], None], step: int,
                    policy: WorkloadPolicy) -> None:

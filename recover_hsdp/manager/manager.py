@@ -396,6 +396,10 @@ class RecoverManager:
         """``BetweenSteps.gather_for_checkpoint`` after the current step."""
         return self.between_steps.gather_for_checkpoint(local, self._current_step, self.policy)
 
+    def save_checkpoint(self, step: int, save: Callable[[], str | None]) -> bool:
+        """``BetweenSteps.save_checkpoint``: [Note: a checkpoint the survivors agree on]."""
+        return self.between_steps.save_checkpoint(save, step, self.policy)
+
     def maybe_admit(self, step: int, work: JoinWork) -> None:
         """Survivors, before ``step``: [Note: rejoin at a boundary]."""
         self.rejoin.maybe_admit(step, work, self.policy)

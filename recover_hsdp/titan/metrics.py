@@ -106,14 +106,19 @@ class RecoverMetricsProcessor(MetricsProcessor):
 
     # ------------------------------------------------------------------ end of run
 
-    def write_run_outputs(self, final_params: dict[str, torch.Tensor] | None) -> dict[str, Any]:
-        """``final_params.pt`` (when given) and ``summary.json``; the writer writes them."""
+    def write_run_outputs(self, final_params: dict[str, torch.Tensor] | None,
+                          alive_replicas: int | None = None) -> dict[str, Any]:
+        """``final_params.pt`` (when given) and ``summary.json``; the writer writes them.
+        ``alive_replicas``: the replicas alive at the end, as the survivors agreed it ([Note:
+        the end of a run]); a replica lost after the last step's record (in the final save)
+        is not alive. None: the last step's record says (the stock path)."""
         if final_params is not None and self.outputs.is_writer:
             torch.save(final_params, f"{self.job_config.job.dump_folder}/final_params.pt")
         steps = self.outputs.steps
         last = steps[-1] if steps else {}
         summary = self.outputs.write_summary({
-            "alive_replicas": last.get("alive_replicas"),
+            "alive_replicas": (alive_replicas if alive_replicas is not None
+                               else last.get("alive_replicas")),
             "completed": bool(steps) and last["step"] >= self.job_config.training.steps})
         if self.outputs.is_writer:
             print(f"[recover-hsdp] summary: {summary}", flush=True)

@@ -46,9 +46,11 @@ class ReplicaCheckpointer:
 
     [Note: one replica saves] Every replica holds the same parameters (checked every
     ``consistency_check_interval`` steps), and each replica's DCP save is a collective of its
-    own S ranks writing the same files: one replica (the lowest alive) writes, the others skip.
-    The hang watchdog is paused during the save (a long write is not a hang); MPI-call deadlines
-    still apply. Everything else is delegated unchanged."""
+    own S ranks writing the same files: one replica (the lowest alive) writes, the others skip
+    and wait in the agreement that it is complete ([Note: a checkpoint the survivors agree on]
+    in manager/between_steps.py: a saver lost mid-save is replaced and the step saved again).
+    The hang watchdog is paused during the save (a long write is not a hang); MPI-call
+    deadlines still apply. Everything else is delegated unchanged."""
 
     def __init__(self, inner, manager):
         self._inner, self._manager = inner, manager
@@ -62,11 +64,20 @@ class ReplicaCheckpointer:
             if source.gathers_state:
                 states = self._manager.gather_for_checkpoint(to_host(source.checkpoint_state()))
                 source.set_gathered(states.values())
-        if self._manager.saves_checkpoints:
-            with self._manager.world.watchdog_paused():
-                # phase=checkpoint: in the save call of that step (choose a step a save is due)
-                self._manager.checkpoint_point(curr_step)
+        self._manager.save_checkpoint(curr_step, lambda: self._save_here(curr_step, last_step))
+
+    def _save_here(self, curr_step: int, last_step: bool) -> str | None:
+        """This rank's part of the saving replica's DCP save; None, or why it failed."""
+        with self._manager.world.watchdog_paused():
+            # phase=checkpoint: in the save call of that step (choose a step a save is due)
+            self._manager.checkpoint_point(curr_step)
+            try:
+                if self._manager.shard == 0:  # before any rank of the replica can write
+                    mark_incomplete(self._inner._create_checkpoint_id(curr_step))
                 self._inner.save(curr_step, last_step=last_step)
+            except Exception as err:  # noqa: BLE001 - agreed as not saved (or a peer died)
+                return f"checkpoint save: {one_line(err)}"
+        return None
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -279,11 +290,24 @@ class RecoverTrainer(Trainer):
             except Exception as err:  # noqa: BLE001
                 manager.replica_error(self.step, f"final parameter gather: {one_line(err)}")
         if getattr(self, "_trained", False):
-            manager.finish_run(lambda: self.metrics_processor.write_run_outputs(final))
+            manager.finish_run(lambda: self.metrics_processor.write_run_outputs(
+                final, alive_replicas=len(manager.world.alive_replicas)))  # agreed at the end
         else:  # training raised on every rank (e.g. replicas diverged): record what there is
             self.metrics_processor.write_run_outputs(final)
             manager.close()
         super().close()  # checkpointer, TorchTitan's loggers
+
+
+def mark_incomplete(checkpoint_dir: str) -> None:
+    """Remove ``.metadata`` from a DCP checkpoint folder about to be (re)written: DCP renames
+    it in last, so until the new save completes the folder is incomplete and TorchTitan's
+    loader skips it ([Note: a checkpoint the survivors agree on]); without this, a save
+    overwriting an older save of the same step that died midway would leave new and old shard
+    files under the old, complete-looking ``.metadata``."""
+    try:
+        os.unlink(os.path.join(checkpoint_dir, ".metadata"))
+    except FileNotFoundError:
+        pass
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
