@@ -330,6 +330,12 @@ def _check_data_plane(rc) -> None:
         if getattr(rc, name) not in allowed:
             raise ConfigError(f"recover.{name}={getattr(rc, name)!r}: use one of "
                               f"{', '.join(allowed)}")
+    from recover_hsdp.collectives.mpirun import check_transport
+
+    try:
+        check_transport(rc.transport)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if rc.wire_dtype == "bf16" and rc.data_plane != "torch":
         raise ConfigError("recover.wire_dtype=bf16 needs recover.data_plane=torch (MPI has no "
                           "bf16 sum): set data_plane = \"torch\" or wire_dtype = \"fp32\"")

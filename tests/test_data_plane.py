@@ -145,3 +145,17 @@ def test_data_plane_fields_are_refused_in_one_line(changes, words):
     with pytest.raises(ConfigError) as err:
         _check_data_plane(rc)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_transport_is_checked_at_launch_in_one_line():
+    """[Note: transports]: tcp needs nothing; uct/ofi need their btl and host libraries (this
+    wheel has the components, this host has no RDMA libraries)."""
+    from recover_hsdp.collectives.mpirun import check_transport, mpirun_prefix
+
+    check_transport("tcp")
+    with pytest.raises(ValueError) as err:
+        check_transport("uct", find_library=lambda name: None)
+    assert "recover.transport='uct'" in str(err.value) and "libibverbs" in str(err.value)
+    check_transport("ofi", find_library=lambda name: f"lib{name}.so")  # libraries found: ok
+    line = mpirun_prefix(2, transport="uct")
+    assert line[line.index("btl") + 1] == "uct,self" and "tcp,self" not in line
