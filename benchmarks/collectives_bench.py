@@ -198,6 +198,11 @@ def main() -> None:
                      f"| {ms(max(vals))} ms |")
     section = "\n".join(lines) + "\n"
     print(section)
+    results = REPO / "benchmarks" / "results"
+    results.mkdir(exist_ok=True)
+    (results / "collectives.json").write_text(json.dumps(
+        {"rows": rows, "kill_total_s": total, "kill_detect_s": detect, "kill_repair_s": repair},
+        indent=2) + "\n")
     write_readme(Path(a.readme), section)
 
 
