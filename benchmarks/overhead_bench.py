@@ -3,6 +3,7 @@
     python benchmarks/overhead_bench.py [--layouts 2x1,2x2,4x1] [--g 1,4] [--pairs 3] [--steps 12]
     python benchmarks/overhead_bench.py --detector     # detector on vs off, same A/B scheme
     python benchmarks/overhead_bench.py --tp 2 --layouts 2x2,2x4 --g 2   # FSDP x TP replicas
+    python benchmarks/overhead_bench.py --planes --layouts 4x1 --g 1,4   # mpi vs torch data plane
 
 Each pair runs the two modes back to back on the same machine with the same config, data and
 seed; the per-run figure is the median step time over steps 3..N (steps 1-2 warm up) and the
@@ -13,7 +14,10 @@ G x R x S x local batch): G = 1, and G = 4 as in the 1B config. Prints the per-l
 the per-pair ratios (recover / stock) and writes benchmarks/results/overhead.json and
 overhead.png. ``--quick``: layouts 2x1,2x2, 2 pairs, 8 steps. ``--tp T``: S ranks per replica
 are FSDP S/T x TP T (stock: HSDP + TP with the same degrees); global batch G x R x S/T x local
-batch; results in overhead_tp.json / overhead_tp.png.
+batch; results in overhead_tp.json / overhead_tp.png. ``--planes``: each round runs stock, ReCoVer
+on the ``mpi`` data plane and on the ``torch`` one back to back (same work), then one run per
+plane with a replica SIGKILLed in step 6's gradient sync: its stall is that step's time less
+the median step; results in overhead_planes.json.
 """
 
 from __future__ import annotations
@@ -34,15 +38,20 @@ LOCAL_BATCH = 2  # debug_cpu.toml's training.local_batch_size
 
 
 def run(replicas: int, ranks: int, stock: bool, steps: int,
-        extra: tuple[str, ...] = ()) -> tuple[float, float]:
+        extra: tuple[str, ...] = (), faults: tuple[str, ...] = (), rows_out=None
+        ) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
                    "--replicas", str(replicas), "--ranks-per-replica", str(ranks), "--out", out]
         command += ["--stock"] if stock else []
+        for fault in faults:
+            command += ["--fault", fault]
         command += ["--", "--training.steps", str(steps), *extra]
         subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
         lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
         rows = [json.loads(line) for line in lines][2:]
+        if rows_out is not None:
+            rows_out.extend(rows)
     step_s = statistics.median(row["step_time_s"] for row in rows)
     return step_s, statistics.median(row["tokens"] for row in rows) / step_s
 
@@ -55,6 +64,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree in a replica")
+    parser.add_argument("--planes", action="store_true",
+                        help="stock vs ReCoVer on data_plane mpi vs torch, + the stall per death")
     parser.add_argument("--detector", action="store_true",
                         help="A/B of ReCoVer with the heartbeat detector (default, "
                              "detect_timeout_s = 4) vs without it (detect_timeout_s = 0)")
@@ -63,6 +74,8 @@ def main() -> None:
         args.layouts, args.pairs, args.steps = "2x1,2x2", 2, 8
     if args.detector:
         return detector_ab(args)
+    if args.planes:
+        return planes_ab(args)
     results = {}
     for layout, g in [(lay, int(g)) for g in args.g.split(",") for lay in args.layouts.split(",")]:
         replicas, ranks = map(int, layout.split("x"))
@@ -121,6 +134,57 @@ def detector_ab(args) -> None:
               f"{', '.join(format(p['ratio'], '.3f') for p in pairs)})",
               flush=True)
     _save("detector_overhead.json", results, args)
+
+
+def planes_ab(args) -> None:
+    """Stock vs ReCoVer on each data plane, interleaved (same work); then the stall of one
+    death per plane. [Note: control plane and data plane] in manager/data_plane.py."""
+    planes = ("mpi", "torch")
+    results = {}
+    for layout, g in [(lay, int(g)) for g in args.g.split(",") for lay in args.layouts.split(",")]:
+        replicas, ranks = map(int, layout.split("x"))
+        batch = ("--training.global_batch_size", str(g * replicas * ranks * LOCAL_BATCH))
+        rounds = []
+        for _ in range(args.pairs):
+            stock, _ = run(replicas, ranks, True, args.steps, batch)
+            row = {"stock_s": stock}
+            for plane in planes:
+                row[f"{plane}_s"], _ = run(replicas, ranks, False, args.steps,
+                                           batch + ("--recover.data_plane", plane))
+                row[f"{plane}_ratio"] = row[f"{plane}_s"] / stock
+            rounds.append(row)
+            print(f"{layout} G={g}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()),
+                  flush=True)
+        result = {"rounds": rounds, **{
+            f"median_{key}": statistics.median(r[key] for r in rounds) for key in rounds[0]}}
+        for plane in planes:  # the stall of one death (replica 1, step 6, mid-sync)
+            rows: list = []
+            run(replicas, ranks, False, args.steps, batch + ("--recover.data_plane", plane),
+                faults=("replica=1,step=6,phase=grad_sync",), rows_out=rows)
+            by_step = {r["step"]: r["step_time_s"] for r in rows}
+            calm = statistics.median(t for s, t in by_step.items() if s not in (6, 7))
+            result[f"{plane}_death_step_s"] = by_step[6]
+            result[f"{plane}_stall_s"] = by_step[6] - calm
+        results[f"{layout} G={g}"] = result
+        print(f"{layout} G={g}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()
+                                              if k != "rounds"), flush=True)
+    _save("overhead_planes.json", results, args)
+    print(planes_markdown(results))
+
+
+def planes_markdown(results: dict) -> str:
+    lines = ["| layout, G | rounds | stock step (s) | mpi step (s) | torch step (s) | mpi/stock | "
+             "torch/stock | stall per death mpi (s) | stall per death torch (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for layout, r in results.items():
+        if not isinstance(r, dict) or "rounds" not in r:
+            continue
+        lines.append(
+            f"| {layout} | {len(r['rounds'])} | {r['median_stock_s']:.3f} | "
+            f"{r['median_mpi_s']:.3f} | {r['median_torch_s']:.3f} | "
+            f"{r['median_mpi_ratio']:.3f} | {r['median_torch_ratio']:.3f} | "
+            f"{r['mpi_stall_s']:.2f} | {r['torch_stall_s']:.2f} |")
+    return "\n".join(lines)
 
 
 def _save(name: str, results: dict, args) -> Path:

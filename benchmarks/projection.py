@@ -27,7 +27,10 @@ Assumptions (also written to the output):
      microbatch times (the policy's g_raise = ceil): the useful rate is G_init / ceil(B/W) of
      the failure-free one (e.g. W = 7 of 8 at G_init = 4: quota 5, 80%, not 7/8). "Kept"
      counts the dead GPUs as lost until the end of the job (conservative); "kept of held"
-     counts only the GPUs the job still holds.
+     counts only the GPUs the job still holds. With --join-s J > 0 (replica rejoin, issue 13:
+     ``respawn_after_steps``) a lost replica's replacement is back J seconds after the loss
+     (spawn + start-up + state transfer, on a spare node of the allocation) and G returns to
+     G_init; the survivors stall for --join-stall-s at the join (measured: rejoin.json).
   A4 throughput is per GPU, relative to failure-free stock TorchTitan at the same GPU count; the
      measured seconds come from a tiny model on CPU, so only the restart (A2) is taken at the
      paper's scale. Override any component with the flags below to project other settings.
@@ -93,26 +96,39 @@ def step_time_factor(replicas: int, alive: int, g_init: int) -> float:
     return math.ceil(replicas * g_init / alive) / g_init
 
 
-def simulate_recover(rng, hours, gpus, replica_gpus, recover_s, overhead, g_init) -> dict:
-    """Failure rate scales with the GPUs still held (fewer GPUs, fewer failures)."""
+def simulate_recover(rng, hours, gpus, replica_gpus, recover_s, overhead, g_init,
+                     join_s: float = 0.0, join_stall_s: float = 0.0) -> dict:
+    """Failure rate scales with the GPUs still held (fewer GPUs, fewer failures); with
+    ``join_s`` > 0 each lost replica comes back that long after its loss (A3)."""
     horizon = hours * 3600
     replicas = gpus // replica_gpus
     t, useful, held_time, alive, failures = 0.0, 0.0, 0.0, gpus, 0
+    returns: list[float] = []  # when the replacements of lost replicas are back
+    next_fail = t + rng.expovariate(1 / mtbf_s(alive))
     while t < horizon and alive > 0:
-        rate = 1 / mtbf_s(alive)
-        dt = rng.expovariate(rate)
-        end = min(t + dt, horizon)
+        back = min(returns) if returns else math.inf
+        end = min(next_fail, back, horizon)
         factor = step_time_factor(replicas, alive // replica_gpus, g_init)
         useful += gpus * (end - t) / overhead / factor
         held_time += alive * (end - t)
         t = end
         if t >= horizon:
             break
-        stall = min(recover_s, horizon - t)
-        alive_after = alive - replica_gpus
-        held_time += alive_after * stall
-        t += stall
-        alive, failures = alive_after, failures + 1
+        if back <= next_fail:  # a replacement joins: G back toward G_init
+            returns.remove(back)
+            stall = min(join_stall_s, horizon - t)
+            held_time += alive * stall
+            t += stall
+            alive += replica_gpus
+        else:
+            stall = min(recover_s, horizon - t)
+            alive -= replica_gpus
+            held_time += alive * stall
+            t += stall
+            failures += 1
+            if join_s > 0:
+                returns.append(t - stall + join_s)
+        next_fail = t + rng.expovariate(1 / mtbf_s(alive)) if alive > 0 else math.inf
     return {"kept": useful / (gpus * horizon), "kept_of_held": useful / held_time,
             "failures": failures, "gpus_at_end": alive}
 
@@ -127,7 +143,8 @@ def project(inputs: dict, gpus_list, hours, trials, seed, g_inits=(4,)) -> list[
               for _ in range(trials)]
         rng = random.Random(seed)
         rc = [simulate_recover(rng, hours, gpus, inputs["replica_gpus"], inputs["recover_s"],
-                               inputs["overhead"], g_init) for _ in range(trials)]
+                               inputs["overhead"], g_init, inputs.get("join_s", 0.0),
+                               inputs.get("join_stall_s", 0.0)) for _ in range(trials)]
         replicas = gpus // inputs["replica_gpus"]
         row = {
             "gpus": gpus, "replicas": replicas, "g_init": g_init,
@@ -161,7 +178,22 @@ def measured_inputs(args) -> dict:
         "recover_s": cost["recover_median"]["total_s"],
         "overhead_ratio_measured": median(ratios),
     }
+    rejoin = RESULTS / "rejoin.json"
+    joins = json.loads(rejoin.read_text()).get("debugmodel", {}) if rejoin.exists() else {}
+    measured["join_s"] = joins.get("median_start_to_ready_s", 0.0) + 60.0 if joins else 0.0
+    measured["join_stall_s"] = joins.get("median_join_stall_s", 0.0)
     return measured
+
+
+def _model_overhead(plane: str) -> float:
+    """ReCoVer / stock step time of ``plane`` for the 1B config (benchmarks/gpu_step_model.py)."""
+    model = json.loads((RESULTS / "gpu_step_model.json").read_text())["step_s"]
+    row = next(v for k, v in model.items() if k.startswith("1B"))
+    stock = next(v for k, v in row.items() if k.startswith("stock"))
+    matches = [v for k, v in row.items() if plane in k]
+    if len(matches) != 1:
+        raise SystemExit(f"--data-plane {plane!r}: name one row of {sorted(row)}")
+    return max(1.0, matches[0] / stock)
 
 
 def main() -> None:
@@ -183,6 +215,16 @@ def main() -> None:
                         help="override the measured ReCoVer per-failure cost")
     parser.add_argument("--overhead", type=float, default=None,
                         help="override the failure-free ReCoVer/stock step-time ratio")
+    parser.add_argument("--data-plane", default=None,
+                        help="take the failure-free overhead from gpu_step_model.json's 1B row "
+                             "for this plane (a substring of its row name, e.g. 'mpi plane TCP', "
+                             "'torch plane NCCL, not overlapped') instead of the CPU ratio")
+    parser.add_argument("--join-s", type=float, default=None,
+                        help="replica rejoin: a lost replica is back after this many seconds "
+                             "(default: the measured start-to-ready of rejoin.json + 60 s for a "
+                             "GPU model's start-up; 0: never)")
+    parser.add_argument("--join-stall-s", type=float, default=None,
+                        help="survivors' stall at a join (default: measured, rejoin.json)")
     parser.add_argument("--quick", action="store_true", help="50 trials")
     args = parser.parse_args()
     if args.quick:
@@ -194,8 +236,12 @@ def main() -> None:
         "save_s": args.save_s if args.save_s is not None else measured["save_s"],
         "recover_s": args.recover_s if args.recover_s is not None else measured["recover_s"],
         "overhead": args.overhead if args.overhead is not None
+        else _model_overhead(args.data_plane) if args.data_plane
         else max(1.0, measured["overhead_ratio_measured"]),
         "replica_gpus": args.replica_gpus,
+        "join_s": args.join_s if args.join_s is not None else measured["join_s"],
+        "join_stall_s": (args.join_stall_s if args.join_stall_s is not None
+                         else measured["join_stall_s"]),
     }
     scenarios = {
         "paper-scale": {**base, "restart_s": args.restart_s},
@@ -209,7 +255,10 @@ def main() -> None:
             inputs, gpus_list, args.hours, args.trials, args.seed,
             [int(g) for g in args.g_init.split(",")])}
     path = write_json("projection.json", result)
-    _plot(result, args, RESULTS / "projection.png")
+    try:
+        _plot(result, args, RESULTS / "projection.png")
+    except ModuleNotFoundError as err:  # matplotlib is optional
+        print(f"no plot ({err})")
     print("Assumptions:\n" + "\n".join(f"  {a}" for a in ASSUMPTIONS))
     print("Measured inputs: " + ", ".join(f"{k}={v:.3g}" for k, v in measured.items()))
     print(markdown(result, args))
@@ -224,7 +273,9 @@ def markdown(result, args=None) -> str:
         lines += ["", f"**{name}** (restart {i['restart_s']:.0f} s, detect+exit "
                       f"{i['detect_exit_s']:.1f} s, load {i['load_s']:.2f} s, save "
                       f"{i['save_s']:.2f} s, ReCoVer per failure {i['recover_s']:.2f} s, "
-                      f"ReCoVer overhead x{i['overhead']:.3f}; {args.hours:g} h job, "
+                      f"ReCoVer overhead x{i['overhead']:.3f}, rejoin after "
+                      f"{i.get('join_s', 0):.0f} s (stall {i.get('join_stall_s', 0):.2f} s); "
+                      f"{args.hours:g} h job, "
                       f"{args.trials} trials)", "",
                   "| GPUs | replicas x G_init | step time after 1 loss | MTBF (min) | failures | "
                   "C/R ckpt interval (s) | C/R GPU time kept | "

@@ -157,6 +157,31 @@ class Recover:
     """Steps in a row a replica must be out of its band before its quota changes (either way).
     >= 1."""
 
+    data_plane: Literal["mpi", "torch"] = "mpi"
+    """Where the bytes of the cross-replica gradient sums travel ([Note: control plane and
+    data plane] in manager/data_plane.py): ``mpi``, the fault-tolerant world's guarded
+    all-reduce (host staging, btl/tcp); ``torch``, a torch.distributed group (gloo on CPU,
+    NCCL on GPU) of the same-shard ranks of the alive replicas, rebuilt for every world
+    epoch. Either way ULFM decides who is alive and whether an epoch was clean (the
+    consensus), so B per step is unchanged. Default ``mpi`` until the torch plane is proven
+    on GPU clusters (README "Data plane")."""
+
+    wire_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype of the cross-replica sum on the wire: ``fp32`` (exact: the failure-free
+    trajectory to fp32 summation order) or ``bf16`` (half the bytes; each contribution is
+    rounded to bf16 and summed in bf16, so the loss drifts from fp32's: README "Data plane"
+    gives the measured effect). ``bf16`` needs ``data_plane = "torch"`` (MPI has no bf16
+    sum) and is refused with the checks that need bitwise equality to stock TorchTitan
+    (``save_final_params``, ``dump_step_gradients``)."""
+
+    transport: Literal["tcp", "uct", "ofi"] = "tcp"
+    """Open MPI's byte transport for the control plane and the ``mpi`` data plane: ``tcp``
+    (btl tcp, what every test here runs), ``uct`` (btl uct: InfiniBand/RoCE verbs through
+    UCX's UCT) or ``ofi`` (btl ofi: libfabric, e.g. EFA); both are fault tolerant in Open MPI
+    5.0.10+. Checked at launch: the btl component must be in the installed Open MPI and its
+    libraries (libibverbs / libuct, libfabric) loadable, or the launch stops with one line
+    naming this field."""
+
     faults: Faults = field(default_factory=Faults)
     """Failure injection for tests and demos."""
 
@@ -286,6 +311,7 @@ def validate(job_config, world_size: int | None = None) -> None:
         raise ConfigError(f"recover.faults.phase={rc.faults.phase!r}: use one of "
                           f"{', '.join(phases)}")
     _refuse_unsupported(job_config)
+    _check_data_plane(rc)
     if job_config.training.mixed_precision_reduce != "float32":
         raise ConfigError("training.mixed_precision_reduce must be float32 with recover.enable: "
                           "gradient-bucket snapshots restore the fp32 reduce buffer in place")
@@ -313,6 +339,30 @@ def validate(job_config, world_size: int | None = None) -> None:
         if getattr(par, name) != 1:
             raise ConfigError(f"parallelism.{name}={getattr(par, name)}: recover-hsdp supports "
                               "FSDP x TP inside a replica; set it to 1")
+
+
+def _check_data_plane(rc) -> None:
+    """``data_plane``, ``wire_dtype`` and ``transport`` (the launch checks the transport's
+    libraries: ``collectives.transport``)."""
+    for name in ("data_plane", "wire_dtype", "transport"):
+        allowed = get_args(Recover.__annotations__[name])
+        if getattr(rc, name) not in allowed:
+            raise ConfigError(f"recover.{name}={getattr(rc, name)!r}: use one of "
+                              f"{', '.join(allowed)}")
+    from recover_hsdp.collectives.mpirun import check_transport
+
+    try:
+        check_transport(rc.transport)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if rc.wire_dtype == "bf16" and rc.data_plane != "torch":
+        raise ConfigError("recover.wire_dtype=bf16 needs recover.data_plane=torch (MPI has no "
+                          "bf16 sum): set data_plane = \"torch\" or wire_dtype = \"fp32\"")
+    if rc.wire_dtype == "bf16" and (rc.save_final_params or rc.dump_step_gradients):
+        field_name = "save_final_params" if rc.save_final_params else "dump_step_gradients"
+        raise ConfigError(f"recover.wire_dtype=bf16 with recover.{field_name}: those outputs "
+                          "are compared bitwise against fp32 runs, which bf16 sums cannot "
+                          "match; use wire_dtype = \"fp32\"")
 
 
 STREAMING_DATASETS = ("c4", "c4_validation")

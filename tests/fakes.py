@@ -234,12 +234,24 @@ class FakeWorld:
     def alive_replicas(self) -> tuple[int, ...]:
         return self.layout.alive_replicas
 
+    def shard_members(self) -> tuple[int, ...]:
+        return self.layout.shard_ranks(self.shard)
+
     def heartbeat(self) -> None:
         with self.hub._cond:
             self._count("heartbeat")
 
     def step_done(self, longest_unit_s: float = 0.0) -> None:
         pass
+
+    def peers_failed(self) -> bool:
+        """As ``FaultTolerantWorld.peers_failed``: this epoch failed here or was revoked."""
+        with self.hub._cond:
+            self._count("peers_failed")
+            self._check_usable()
+            if self._failed_at is None and self._epoch in self.hub.revoked:
+                self._failed_at = time.monotonic()
+            return self._failed_at is not None
 
     def watchdog_paused(self):
         return contextlib.nullcontext()

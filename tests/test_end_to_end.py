@@ -35,10 +35,14 @@ def _assert_b_every_step(steps, final_alive):
 TWO_KILLS = ["replica=1,step=3,phase=grad_sync", "replica=2,step=6,phase=backward"]
 
 
-def test_exact_mode_two_deaths_stays_on_failure_free_trajectory(tmp_path, failure_free):
+@pytest.mark.parametrize("data_plane", ["mpi", "torch"])
+def test_exact_mode_two_deaths_stays_on_failure_free_trajectory(tmp_path, failure_free,
+                                                                data_plane):
     """Real process: two replicas SIGKILLed mid-sync under mpirun; TorchTitan's loss stays the
-    failure-free one."""
-    _, steps = _train(tmp_path, "--recover.save_final_params", faults=TWO_KILLS)
+    failure-free one (the MPI run's), on both data planes ([Note: control plane and data
+    plane]: on ``torch`` the first kill lands inside a gloo all-reduce of the survivors)."""
+    _, steps = _train(tmp_path, "--recover.save_final_params", "--recover.data_plane",
+                      data_plane, faults=TWO_KILLS)
     _assert_b_every_step(steps, final_alive=2)
     assert [s["alive_replicas"] for s in steps] == [4, 4, 3, 3, 3, 2, 2, 2, 2, 2]
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, failure_free["exact"])]

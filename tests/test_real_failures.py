@@ -66,14 +66,19 @@ def _check_2x2(out, steps, wall, alive: list[int]):
     return event
 
 
-@pytest.mark.slow  # default suite time: test_frozen_rank_of_a_2x2_replica covers it
-def test_frozen_rank_is_declared_dead_and_nothing_is_left_behind(tmp_path, failure_free):
+@pytest.mark.slow  # default suite time: test_frozen_rank_of_a_2x2_replica covers it (and
+# tests/test_data_plane.py the torch plane's abandoned call)
+@pytest.mark.parametrize("data_plane", ["mpi", "torch"])
+def test_frozen_rank_is_declared_dead_and_nothing_is_left_behind(tmp_path, failure_free,
+                                                                 data_plane):
     """Replica 2 SIGSTOPs itself (all threads frozen, sockets open: a hung node) in step 3's
     backward. The heartbeat detector declares it dead within detect_timeout_s, the others
     shrink and finish, the survivors end the stopped process, and the launcher returns.
     Real process: (slow: the 2 x 2 case below proves the same and more) SIGSTOP of a real process,
-    found by the detector."""
-    result, steps, wall = _train(tmp_path, faults=["replica=2,step=3,phase=backward,mode=stop"])
+    found by the detector; on the torch data plane the others are blocked in a gloo all-reduce
+    with it and abandon it when the detector's notice arrives."""
+    result, steps, wall = _train(tmp_path, faults=["replica=2,step=3,phase=backward,mode=stop"],
+                                 extra=["--recover.data_plane", data_plane])
     _check(tmp_path, steps, failure_free, alive_after=3, wall=wall)
     (event,) = read_jsonl(tmp_path / "events.jsonl")
     assert event["dead_replicas"] == [2] and event["step"] == 3
@@ -97,14 +102,17 @@ def test_error_inside_a_replica_makes_only_that_replica_leave(tmp_path, failure_
     assert events[1]["step"] == 7  # step 6 was committed; the others see it leave in step 7
 
 
-def test_error_in_one_rank_of_a_2x2_replica_takes_the_replica_out(tmp_path):
+# torch: slow (default suite time: the 4 x 1 SIGKILL run in test_end_to_end is on both planes)
+@pytest.mark.parametrize("data_plane", ["mpi", pytest.param("torch", marks=pytest.mark.slow)])
+def test_error_in_one_rank_of_a_2x2_replica_takes_the_replica_out(tmp_path, data_plane):
     """2 x 2: rank 1 of replica 1 raises in backward; it leaves, its peer's intra-replica
     collective fails at once, and the replica leaves as a unit; replica 0 is untouched.
     Real process: a rank SIGKILLs itself after an error, mpirun tolerates it, its peer's gloo call
     fails."""
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=1,step=2,phase=backward,rank=1,mode=raise"],
-                                 extra=["--training.steps", "4"])
+                                 extra=["--training.steps", "4", "--recover.data_plane",
+                                        data_plane])
     event = _check_2x2(tmp_path, steps, wall, [2, 1, 1, 1])
     assert "rank 3 step 2: RuntimeError: injected fault" in " ".join(event["errors"]["1"])
 
@@ -239,7 +247,9 @@ def test_a_long_step_is_not_a_death(tmp_path):
     assert len(read_jsonl(tmp_path / "faults_fired.jsonl")) == 1
 
 
-def test_frozen_rank_of_a_2x2_replica(tmp_path):
+# torch: slow (default suite time: tests/test_data_plane.py abandons a blocked call in-process)
+@pytest.mark.parametrize("data_plane", ["mpi", pytest.param("torch", marks=pytest.mark.slow)])
+def test_frozen_rank_of_a_2x2_replica(tmp_path, data_plane):
     """2 x 2: rank 1 of replica 1 SIGSTOPs itself. Its replica peer is blocked in gloo with it
     (a frozen process keeps its sockets): the survivor that the detector tells ends the frozen
     process at once (same host), which frees the peer, and the replica leaves as a unit in about
@@ -248,5 +258,6 @@ def test_frozen_rank_of_a_2x2_replica(tmp_path):
     survivor ends it."""
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=1,step=2,phase=backward,rank=1,mode=stop"],
-                                 extra=["--training.steps", "4"])
+                                 extra=["--training.steps", "4", "--recover.data_plane",
+                                        data_plane])
     assert _check_2x2(tmp_path, steps, wall, [2, 1, 1, 1])["detect_s"] < 15

@@ -94,17 +94,20 @@ def test_promoted_spare(tmp_path, local_corpus, mode):
     _check_step_against_oracle(out, 3, 1, [0], 4, overrides=extra, slots=4)
 
 
-@pytest.mark.parametrize("k", [0, pytest.param(N_BUCKETS, marks=pytest.mark.slow),
-                               pytest.param(1, marks=pytest.mark.slow),
-                               pytest.param(N_BUCKETS - 1, marks=pytest.mark.slow)])
-def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus, k):
+# torch: slow (default suite time: the 4 x 1 SIGKILL run in test_end_to_end is on both planes)
+@pytest.mark.parametrize("k,data_plane", [
+    (0, "mpi"), pytest.param(0, "torch", marks=pytest.mark.slow),
+    pytest.param(N_BUCKETS, "mpi", marks=pytest.mark.slow),
+    pytest.param(1, "mpi", marks=pytest.mark.slow),
+    pytest.param(N_BUCKETS - 1, "mpi", marks=pytest.mark.slow)])
+def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus, k, data_plane):
     """2 x 2: shard rank 1 of replica 1 dies after k buckets; its live peer must leave with it
     (it retires at the consensus, or its intra-replica collective fails and it leaves with the
     error recorded) and the surviving replica commits both ids of the step (B = 2 x G = 1).
     Real process: FSDP2 sharding over 2 real ranks; the dead rank's peer leaves; gradients against
     the oracle."""
     out = _run_with_faults(tmp_path, 2, 2, [f"replica=1,step=2,phase=grad_sync,bucket={k},rank=1"],
-                           dump_steps=(2,))
+                           dump_steps=(2,), extra=("--recover.data_plane", data_plane))
     text = (out / "stdout.log").read_text()
     assert "RETIRE rank 2" in text or (out / "errors" / "rank2.json").exists()
     assert read_registry(out)[2].state() is None            # replica 1's live rank left with it
@@ -113,12 +116,14 @@ def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus, k):
 
 
 @pytest.mark.slow  # default suite time: proven in-process in both modes
-def test_second_death_during_rereduce(tmp_path, local_corpus):
+@pytest.mark.parametrize("data_plane", ["mpi", "torch"])
+def test_second_death_during_rereduce(tmp_path, local_corpus, data_plane):
     """Real process: (slow: test_manager_inprocess::test_second_death_during_rereduce proves it in
     both modes) a real death inside the re-reduce."""
     out = _run_with_faults(tmp_path, 4, 1, [
         "replica=1,step=2,phase=grad_sync,bucket=3",
-        "replica=3,step=2,phase=rereduce,bucket=2"], dump_steps=(2,))
+        "replica=3,step=2,phase=rereduce,bucket=2"], dump_steps=(2,),
+        extra=("--recover.data_plane", data_plane))
     events = read_jsonl(out / "events.jsonl")
     assert [e["dead_replicas"] for e in events] == [[1], [3]] and events[1]["epoch"] == 2
     _check_step_against_oracle(out, 2, 1, [1, 3], 4)

@@ -80,11 +80,13 @@ def _assert_rejoined(steps, joins, summary, replicas, lost):
 
 @pytest.mark.slow  # default suite time: test_node_loss::test_replacement_joins_on_a_standby_host
 # joins for real, test_rejoin_inprocess proves the protocol
-def test_respawn_4x1(tmp_path, reference):
+@pytest.mark.parametrize("data_plane", ["mpi", "torch"])
+def test_respawn_4x1(tmp_path, reference, data_plane):
     """Real process: MPI_Comm_spawn through PRRTE and the transfer of TorchTitan's real state."""
     out = tmp_path / "run"
     result = run_cli(_train_args(out, 4, 1, ["replica=1,step=3,phase=grad_sync"],
-                                 ("--recover.respawn_after_steps", "1")), timeout=400)
+                                 ("--recover.respawn_after_steps", "1", "--recover.data_plane",
+                                  data_plane)), timeout=400)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     steps, joins, summary = _check(out, reference, 4, 1)
     assert [s["alive_replicas"] for s in steps[2:4]] == [3, 3]

@@ -163,7 +163,8 @@ def _launcher(args: argparse.Namespace, job, ranks: int) -> list[str]:
     if args.hostfile:
         extra += ["--hostfile", str(args.hostfile)]
     return [*mpirun_prefix(ranks, mpirun=resolve_mpirun(), env=env, extra=extra,
-                           oversubscribe=not gpus, ulfm=not args.stock), sys.executable]
+                           oversubscribe=not gpus, ulfm=not args.stock,
+                           transport=job.recover.transport), sys.executable]
 
 
 def _gpus_per_node(args: argparse.Namespace) -> int:

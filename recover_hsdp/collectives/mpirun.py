@@ -43,6 +43,62 @@ ULFM_MCA: tuple[str, ...] = (
 )
 
 
+# [Note: transports] ``[recover] transport`` picks the btl of the control plane and of the
+# ``mpi`` data plane. With ULFM in Open MPI 5.0.x only pml ob1 is fault tolerant, over btl
+# self, tcp, sm (which hangs on a death here), uct (InfiniBand/RoCE through UCX's UCT) and,
+# from 5.0.10, ofi (libfabric). The PyPI wheel carries the uct and ofi components but not the
+# host libraries they load (libibverbs + libuct; libfabric), so a requested RDMA transport is
+# checked at launch (component present, libraries loadable) and refused in one line; "tcp"
+# needs no check. Only a cluster with the hardware can show that uct/ofi survive deaths as
+# tcp does (docs/ULFM_NOTES.md lists the FT status, not a measurement).
+TRANSPORTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tcp": ("tcp", ()),
+    "uct": ("uct", ("ibverbs", "uct")),
+    "ofi": ("ofi", ("fabric",)),
+}
+
+
+def transport_btl(transport: str) -> str:
+    """The ``--mca btl`` value of a transport ([Note: transports])."""
+    return f"{TRANSPORTS[transport][0]},self"
+
+
+def installed_btls(mpirun: str | None = None) -> list[str]:
+    """The btl components of the Open MPI beside ``mpirun`` (``ompi_info``)."""
+    path = shutil.which(mpirun or default_mpirun()) or (mpirun or default_mpirun())
+    ompi_info = os.path.join(os.path.dirname(path), "ompi_info")
+    try:
+        text = _run([ompi_info if os.access(ompi_info, os.X_OK) else "ompi_info"])
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return re.findall(r"MCA btl:\s*(\w+)", text)
+
+
+def check_transport(transport: str, mpirun: str | None = None, find_library=None) -> None:
+    """[Note: transports]: raise ValueError (one line naming ``recover.transport``) when the
+    transport is unknown, its btl component is not in this Open MPI or its libraries are not
+    loadable on this host."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"recover.transport={transport!r}: use one of {', '.join(TRANSPORTS)}")
+    btl, libraries = TRANSPORTS[transport]
+    if not libraries:
+        return
+    if find_library is None:
+        import ctypes.util
+
+        find_library = ctypes.util.find_library
+    btls = installed_btls(mpirun)
+    if btl not in btls:
+        raise ValueError(f"recover.transport={transport!r}: this Open MPI has no btl {btl} "
+                         f"(it has {', '.join(btls) or 'none'}): use transport = \"tcp\" or an "
+                         "Open MPI 5.0.10+ built with it")
+    missing = [name for name in libraries if find_library(name) is None]
+    if missing:
+        raise ValueError(f"recover.transport={transport!r}: btl {btl} needs lib{missing[0]}, "
+                         "which is not loadable on this host (install the RDMA stack: "
+                         "rdma-core + UCX for uct, libfabric for ofi) or use transport = \"tcp\"")
+
+
 def heartbeat_detector_args(timeout_s: float = 4.0) -> list[str]:
     """MCA flags of Open MPI's heartbeat failure detector, on its own thread (``recover.detect_timeout_s``).
 
@@ -80,7 +136,7 @@ def default_mpirun() -> str:
 
 def mpirun_prefix(nprocs: int | None = None, *, mpirun: str | None = None, oversubscribe: bool = True,
                   env: Mapping[str, str] | None = None, extra: Sequence[str] = (),
-                  ulfm: bool = True) -> list[str]:
+                  ulfm: bool = True, transport: str = "tcp") -> list[str]:
     """The argument list up to (not including) the program: ``mpirun --with-ft ulfm ... [-np N]``.
 
     Args:
@@ -93,8 +149,11 @@ def mpirun_prefix(nprocs: int | None = None, *, mpirun: str | None = None, overs
         extra: More mpirun arguments (e.g. ``heartbeat_detector_args()``, ``--host ...``).
         ulfm: The ULFM flags (False: a plain launch, e.g. the stock baseline across hosts, whose
             ranks do not use MPI and must end the job when one fails).
+        transport: ``[recover] transport`` ([Note: transports]): the btl of the ULFM flags.
     """
-    args = [mpirun or default_mpirun(), *(ULFM_MCA if ulfm else ())]
+    mca = list(ULFM_MCA)
+    mca[mca.index("tcp,self")] = transport_btl(transport)
+    args = [mpirun or default_mpirun(), *(mca if ulfm else ())]
     if oversubscribe:
         args.append("--oversubscribe")
     if os.geteuid() == 0:

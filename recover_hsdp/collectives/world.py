@@ -198,6 +198,49 @@ class FaultTolerantWorld:
             log_line(f"rank {self.world_rank} epoch {self.epoch}: failure ({reason}); revoking")
         self._revoke(self._global, self._shard)
 
+    def peers_failed(self) -> bool:
+        """Non-blocking: has this epoch failed, as far as this rank can tell now? Lets MPI make
+        progress (an ``Iprobe`` on the global and shard communicators), so the failure
+        detector's notices and peers' revokes arrive while the main thread waits in something
+        else (a data-plane collective: [Note: control plane and data plane] in
+        manager/data_plane.py). A new failure is handled like a failed guarded call (every
+        communicator revoked, ``on_failed`` told). Only the main thread may call it."""
+        self._check_usable()
+        if self._failed_at is not None:
+            return True
+        for comm, which in ((self._global, "global"), (self._shard, "shard")):
+            if comm is None:
+                continue
+            try:
+                with self._guard.call(f"Iprobe({which})", self.deadlines.call_s):
+                    comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+                group = comm.Get_failed()
+                try:
+                    failed = group.Get_size()
+                finally:
+                    group.Free()
+                if not failed and comm.Is_revoked():
+                    failed = -1
+            except MPI.Exception as e:
+                self._note_failure(f"Iprobe({which})", errname(e), comm)
+                return True
+            if failed:
+                self._note_failure(f"Iprobe({which})", "revoked" if failed < 0 else
+                                   f"{failed} failed rank(s)", comm)
+                return True
+        return False
+
+    def _note_failure(self, name: str, what: str, comm: MPI.Comm | None,
+                      started: float | None = None) -> None:
+        """The first failure of this epoch seen in ``name``: record, report, revoke all."""
+        self._failed_at = time.monotonic() if started is None else started
+        log_line(f"rank {self.world_rank} epoch {self.epoch}: {name} failed with "
+                 f"{what}; revoking all communicators")
+        self._report_failed(comm)
+        # [Note: revoke everything] Revoking only the global communicator HANGS a rank blocked in
+        # a shard-communicator collective whose members are all alive: revoke every communicator.
+        self._revoke(self._global, self._shard)
+
     def _allreduce(self, comm: MPI.Comm, buf: np.ndarray, which: str) -> bool:
         mpitype = buffer_type(buf)
         flat = buf.reshape(-1)  # a view: buf is C-contiguous
@@ -240,13 +283,7 @@ class FaultTolerantWorld:
                 fn()
             return True
         except MPI.Exception as e:
-            self._failed_at = started
-            log_line(f"rank {self.world_rank} epoch {self.epoch}: {name} failed with "
-                     f"{errname(e)}; revoking all communicators")
-            self._report_failed(comm)
-            # [Note: revoke everything] Revoking only the global communicator HANGS a rank blocked in
-            # a shard-communicator collective whose members are all alive: revoke every communicator.
-            self._revoke(self._global, self._shard)
+            self._note_failure(name, errname(e), comm, started)
             return False
 
     # -- consensus and repair ---------------------------------------------------------------------

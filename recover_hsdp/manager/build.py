@@ -61,7 +61,8 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
                             keep_spares=rc.keep_spares, data_assignment=rc.data_assignment,
                             g_raise=rc.g_raise, straggler=straggler_rule(rc))
     manager = RecoverManager(
-        world=world, bucket_sync=BucketSync.for_model(model, world, rc.host_snapshots),
+        world=world, bucket_sync=BucketSync.for_model(model, world, rc.host_snapshots,
+                                                      plane=_data_plane(job_config, world, model)),
         policy=policy,
         faults=faults,
         outputs=outputs, out_dir=out_dir,
@@ -76,3 +77,16 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
     if heartbeat is not None:  # a rank leaving normally says goodbye to its replica peers
         world.on_leave = heartbeat.stand_down
     return manager
+
+
+def _data_plane(job_config, world, model):
+    """[Note: control plane and data plane] (manager/data_plane.py): None for ``mpi``. The
+    torch group's own timeout is the replica group's (a last resort: the control plane's
+    poll abandons a blocked call first)."""
+    from recover_hsdp.manager.data_plane import build_data_plane
+    from recover_hsdp.manager.replica_group import group_timeout_s, job_deadlines
+
+    rc = job_config.recover
+    device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    timeout = group_timeout_s(job_deadlines(job_config), rc.detect_timeout_s)
+    return build_data_plane(rc, world, device=device, timeout_s=timeout)

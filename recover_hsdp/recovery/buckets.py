@@ -91,10 +91,13 @@ class BucketSync:
             (fault-injection point "after k of n buckets were reduced").
         hook_stream: GPU only: the stream FSDP runs the hook on (see [Note: hook streams]);
             ``None`` on CPU.
+        plane: the data plane of the sums (``reduce(tensor) -> bool``; [Note: control plane
+            and data plane] in manager/data_plane.py); ``None``: the world's MPI all-reduce
+            through host staging.
     """
 
     def __init__(self, units, world, host_snapshots: bool = False, on_bucket=None,
-                 hook_stream=None):
+                 hook_stream=None, plane=None):
         self.world = world
         self.on_bucket = on_bucket or (lambda index, rereduce: None)
         self.host_snapshots = host_snapshots
@@ -110,6 +113,7 @@ class BucketSync:
         self.reduce_s = 0.0  # seconds inside the cross-replica reduces this step (waiting for
         # the slowest replica: not this replica's compute, [Note: straggler quotas])
         self.staging = HostStaging()  # GPU buckets' host chunks
+        self.plane = plane
         self._pending = [0] * len(self.units)  # backward passes per unit since its last hook
         for index, unit in enumerate(self.units):
             unit.set_force_sum_reduction_for_comms(True)
@@ -122,7 +126,7 @@ class BucketSync:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, world, host_snapshots: bool = False,
-                  on_bucket=None) -> "BucketSync":
+                  on_bucket=None, plane=None) -> "BucketSync":
         """The FSDP2 units of ``model`` (root included), checked against
         [Note: FSDP2 contract]; on GPU the hook gets a stream of its own."""
         units = fsdp_units(model)
@@ -131,7 +135,7 @@ class BucketSync:
         stream = None
         if any(p.device.type == "cuda" for p in model.parameters()):
             stream = torch.cuda.Stream()
-        sync = cls(units, world, host_snapshots, on_bucket, hook_stream=stream)
+        sync = cls(units, world, host_snapshots, on_bucket, hook_stream=stream, plane=plane)
         for index, unit in enumerate(units):
             unit.register_forward_hook(functools.partial(_count_backward_of, sync, index))
         return sync
@@ -232,10 +236,13 @@ class BucketSync:
         tensor.zero_()
 
     def _reduce(self, bucket: Bucket) -> None:
-        """Guarded cross-replica SUM of one bucket, tagged with the epoch it succeeded under.
-        GPU buckets go through reused pinned host chunks ([Note: no device tensor reaches MPI]
+        """Guarded cross-replica SUM of one bucket, tagged with the epoch it succeeded under,
+        through the data plane when one is set. On MPI, GPU buckets go through reused pinned host chunks ([Note: no device tensor reaches MPI]
         in recovery/staging.py; CUDA-aware MPI is not assumed); CPU buckets are reduced in place."""
-        ok = self.staging.reduce(bucket.tensor, self.world.allreduce)
+        if self.plane is not None:
+            ok = self.plane.reduce(bucket.tensor)
+        else:
+            ok = self.staging.reduce(bucket.tensor, self.world.allreduce)
         bucket.epoch = self.world.epoch if ok else None
 
     def _join_hook_stream(self) -> None:

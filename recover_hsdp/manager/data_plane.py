@@ -1,0 +1,249 @@
+"""The data plane: where the bytes of the cross-replica bucket sums travel.
+
+[Note: control plane and data plane] The fault-tolerant world (ULFM: detector, agreement,
+shrink, epoch, membership, the consensus) is the one source of truth about who is alive and
+whether an epoch is clean. The bucket sums themselves go through the data plane chosen by
+``[recover] data_plane``:
+
+* ``mpi`` (default): the world's guarded all-reduce over the shard communicator
+  (``staging.reduce`` + ``FaultTolerantWorld.allreduce``), chunked, btl/tcp.
+* ``torch``: a torch.distributed group (gloo on CPU, NCCL on GPU) of the same-position ranks
+  (same shard index) of the alive replicas, in replica order -- the members of this rank's
+  shard communicator. One group per world epoch: every change of membership (a shrink, a
+  rejoin) gives a new epoch, and the first reduce under a new epoch builds a new group before
+  it is used. The rendezvous rides on the repaired world: the group's first member (lowest
+  alive replica) opens a fresh TCPStore, and its address reaches the others in one guarded
+  allgather over the shard communicator; the group's keys live under ``dp/e<epoch>/s<shard>``.
+  gloo cannot shrink, and ``ncclCommShrink`` would need the dead members' consent to nothing
+  we can rely on, so a new group is always built (cheap next to a repair).
+
+The failure contract is the MPI path's: a data-plane call that errors (gloo: connection
+reset by a dead peer) fails the epoch (``world.fail_epoch``: every communicator revoked, so
+the peers blocked in their own data-plane call learn it too) and returns False; the bucket
+stays stale and is restored and reduced again under the next epoch. A call that blocks (a
+frozen or cut-off peer never closes its sockets; NCCL never errors on a dead peer) is waited
+for by polling: the main thread tests the work for completion and, every ``poll_s``, asks the
+control plane (``world.peers_failed``: a non-blocking MPI probe that lets the failure
+detector's and the revokes' notices in) whether the epoch failed; if so the call is
+abandoned: False. Past ``Deadlines.call_s`` the rank dies, as an MPI call past its deadline
+does. An abandoned group is never used again and never destroyed collectively (its members
+are dead); NCCL communicators are aborted. Every call reduces a private copy of the bucket,
+so an abandoned call can never write into a bucket after it was restored from its snapshot.
+
+Invariant kept: which replicas are alive and whether an epoch was clean is decided only by
+the consensus, exactly as on the MPI plane, so B per step and the epoch tags are unchanged.
+
+``wire_dtype = "bf16"``: the copy is cast to bfloat16 before the sum and back after it (half
+the bytes; each rank's contribution is rounded once, the sum is accumulated in bf16 by the
+backend): replicas stay bitwise identical to each other, the trajectory is no longer the
+fp32 one (README "Data plane").
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from recover_hsdp.collectives.guard import die, log_line
+from recover_hsdp.errors import one_line
+from recover_hsdp.manager import rendezvous
+
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class TorchDataPlane:
+    """[Note: control plane and data plane], the ``torch`` side.
+
+    Args:
+        world: the ``FaultTolerantWorld`` (``epoch``, ``alive_replicas``, ``shard_members``,
+            ``allgather``, ``peers_failed``, ``fail_epoch``, ``heartbeat``, ``deadlines``).
+        backend: "gloo" or "nccl" (default: NCCL when CUDA is available).
+        wire_dtype: "fp32" or "bf16".
+        timeout_s: the backend's own timeout (a last resort: the poll decides first).
+        poll_s: how often a waiting rank asks the control plane.
+        device: the CUDA device of the NCCL group (None on gloo).
+    """
+
+    name = "torch"
+
+    def __init__(self, world, backend: str | None = None, wire_dtype: str = "fp32",
+                 timeout_s: float = 1800.0, poll_s: float = 0.01, device=None) -> None:
+        self.world = world
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.wire_dtype = WIRE_DTYPES[wire_dtype]
+        self.timeout = timedelta(seconds=timeout_s)
+        self.poll_s = poll_s
+        self.device = device
+        self._key: tuple | None = None   # (epoch, alive replicas) the group was built for
+        self._group: Any = None          # None with one member: the sum is the tensor itself
+        self._stores: list[Any] = []     # the TCPStores this rank serves (kept for the run)
+        self.abandoned: list[Any] = []   # groups given up after a failure (never reused)
+        self.builds = 0                  # groups built (tests: one per epoch)
+        self.build_s = 0.0               # seconds spent building them
+
+    # ------------------------------------------------------------------ the reduce
+
+    def reduce(self, tensor: torch.Tensor) -> bool:
+        """SUM of ``tensor`` over the same-shard ranks of the alive replicas, in place.
+        False: the epoch failed (``tensor`` is then untouched: restore it anyway)."""
+        world = self.world
+        if world.epoch_failed or not self._ready():
+            return False
+        wire = tensor.detach().to(self.wire_dtype, copy=True).view(-1)
+        if self._group is not None:
+            try:
+                work = self._group.allreduce([wire], dist.AllreduceOptions())
+            except Exception as err:  # noqa: BLE001 - an enqueue error fails the epoch
+                return self._failed(f"data plane allreduce: {one_line(err)}")
+            if not self._wait(work.is_completed, "allreduce"):
+                return False
+            try:
+                work.wait()
+            except Exception as err:  # noqa: BLE001 - gloo: a dead peer's connection reset
+                return self._failed(f"data plane allreduce: {one_line(err)}")
+        with torch.no_grad():
+            tensor.view(-1).copy_(wire)
+        return True
+
+    def _wait(self, done: Callable[[], bool], what: str) -> bool:
+        """Wait for ``done()`` while the control plane says nobody failed; False: abandoned."""
+        world = self.world
+        started = time.monotonic()
+        deadline = started + world.deadlines.call_s
+        next_poll = started
+        while not done():
+            now = time.monotonic()
+            if now >= next_poll:
+                if world.peers_failed():
+                    log_line(f"rank {world.world_rank} epoch {world.epoch}: data plane {what} "
+                             f"abandoned after {now - started:.3f} s: the control plane "
+                             "reports a failure")
+                    self._abandon()
+                    return False
+                next_poll = now + self.poll_s
+            if now > deadline:
+                die(f"rank {world.world_rank}: data plane {what} still blocked after "
+                    f"{now - started:.1f} s (deadline): killing this rank so that ULFM sees an "
+                    "ordinary death")
+            world.heartbeat()
+            time.sleep(0.0005)
+        return True
+
+    def _failed(self, reason: str) -> bool:
+        self.world.fail_epoch(reason)
+        self._abandon()
+        return False
+
+    def _abandon(self) -> None:
+        """Give the group up: never used again; NCCL communicators aborted (a kernel spinning
+        on a dead peer returns); gloo groups are left to their threads (no collective teardown
+        with dead members)."""
+        group, self._group, self._key = self._group, None, None
+        if group is None:
+            return
+        self.abandoned.append(group)
+        if self.backend == "nccl":
+            try:
+                group.abort()
+            except Exception as err:  # noqa: BLE001 - best effort
+                log_line(f"data plane: NCCL abort failed: {err!r}")
+
+    # ------------------------------------------------------------------ the group
+
+    def _ready(self) -> bool:
+        """The group of the current epoch, built now if the membership changed."""
+        world = self.world
+        key = (world.epoch, tuple(world.alive_replicas))
+        if key == self._key:
+            return True
+        if self._group is not None:  # an old epoch's group: its members may be dead
+            self._abandon()
+        started = time.monotonic()
+        ok = self._build(key)
+        self.build_s += time.monotonic() - started
+        return ok
+
+    def _build(self, key: tuple) -> bool:
+        world = self.world
+        members = list(world.shard_members())
+        me = members.index(world.world_rank)
+        if len(members) == 1:
+            self._key, self._group = key, None
+            return True
+        mine = rendezvous.this_host()
+        port = None
+        if me == 0:
+            store = dist.TCPStore(rendezvous.LOCAL, 0, len(members), is_master=True,
+                                  wait_for_workers=False, timeout=self.timeout)
+            self._stores.append(store)
+            port = store.port
+        gathered = world.allgather((mine, port))  # guarded, shard communicator
+        if gathered is None:
+            return False
+        hosts = [h for h, _ in gathered]
+        try:
+            local, _ = rendezvous.local_address(hosts, me)
+            leader = LOCAL_ADDRESS if hosts[0].host == mine.host else _reachable(hosts[0], mine)
+        except ValueError as err:
+            return self._failed(f"data plane rendezvous: {err}")
+        prefix = f"dp/e{key[0]}/s{world.shard}"
+        built: dict[str, Any] = {}
+
+        def make() -> None:  # on a helper thread: the rendezvous blocks on every member
+            try:
+                store = (self._stores[-1] if me == 0 else
+                         dist.TCPStore(leader, gathered[0][1], len(members), is_master=False,
+                                       timeout=self.timeout))
+                built["group"] = self._new_group(dist.PrefixStore(prefix, store), me,
+                                                 len(members), local)
+            except Exception as err:  # noqa: BLE001 - reported by the waiting main thread
+                built["error"] = one_line(err)
+
+        helper = threading.Thread(target=make, name="recover-hsdp-data-plane", daemon=True)
+        helper.start()
+        if not self._wait(lambda: not helper.is_alive(), "rendezvous"):
+            return False
+        if "error" in built:
+            return self._failed(f"data plane rendezvous: {built['error']}")
+        self._key, self._group = key, built["group"]
+        self.builds += 1
+        return True
+
+    def _new_group(self, store, rank: int, size: int, address: str):
+        if self.backend == "gloo":
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = self.timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+            return dist.ProcessGroupGloo(store, rank, size, options)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = self.timeout
+        group = dist.ProcessGroupNCCL(store, rank, size, options)
+        if self.device is not None:  # eager communicator on this rank's device
+            group.eager_connect_single_device(self.device)
+        return group
+
+
+LOCAL_ADDRESS = rendezvous.LOCAL
+
+
+def _reachable(leader: rendezvous.HostAddresses, mine: rendezvous.HostAddresses) -> str:
+    """An address of the leader's host this host routes to over the job's interfaces."""
+    own = set(mine.addresses)
+    for address in leader.addresses:
+        if address not in own and rendezvous.route_source(address) in own:
+            return address
+    raise ValueError(f"no address of host {leader.host} ({leader.addresses}) is routable from "
+                     f"{mine.host} over the job's interfaces ({sorted(own) or 'none'})")
+
+
+def build_data_plane(rc, world, device=None, timeout_s: float = 1800.0):
+    """The data plane ``[recover] data_plane`` names for ``world``: None for ``mpi`` (the
+    world's own all-reduce, ``BucketSync``'s default), a :class:`TorchDataPlane` for ``torch``."""
+    if rc.data_plane == "mpi":
+        return None
+    return TorchDataPlane(world, wire_dtype=rc.wire_dtype, timeout_s=timeout_s, device=device)

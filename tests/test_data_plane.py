@@ -1,0 +1,161 @@
+"""The torch data plane ([Note: control plane and data plane], manager/data_plane.py), in
+process: real gloo groups between threads, the control plane faked (tests/fakes.py).
+
+What is proven here: one group per world epoch, built at the first reduce of the epoch and
+rebuilt after a shrink; the sums are right; a reduce blocked on a peer that stopped (a thread
+that never calls, its sockets open, as a frozen process) is abandoned as soon as the control
+plane reports the failure and leaves the bucket untouched; an abandoned group is never used
+again; bf16 on the wire halves the bytes and keeps replicas identical. The real-process
+cases are tests/test_end_to_end.py (SIGKILL on both planes) and tests/test_real_failures.py
+(a frozen rank on the torch plane, slow suite).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from fakes import FakeHub, FakeUnit, run_ranks, values_of
+from recover_hsdp.config import ConfigError, JobConfig, _check_data_plane
+from recover_hsdp.manager.data_plane import TorchDataPlane
+from recover_hsdp.recovery import BucketSync
+
+N = 1000
+
+
+def _value(replica: int, step: int) -> torch.Tensor:
+    return torch.arange(N, dtype=torch.float32) * (replica + 1) + step
+
+
+def test_one_group_per_epoch_rebuilt_after_a_shrink():
+    """Two clean steps on one group; replica 1 dies; the survivors build a new group for
+    epoch 1 and sum only their own contributions."""
+    hub = FakeHub(3)
+
+    def rank(world):
+        plane = TorchDataPlane(world, "gloo", timeout_s=30)
+        sums = []
+        for step in range(2):
+            t = _value(world.replica, step)
+            assert plane.reduce(t)
+            sums.append(t)
+            assert world.consensus(True).clean
+        if world.replica == 1:
+            hub.kill(1)
+        result = world.consensus(True)
+        t = _value(world.replica, 2)
+        assert plane.reduce(t)
+        assert world.consensus(True).clean
+        return sums, t, plane.builds, len(plane.abandoned), result.epoch
+
+    out = values_of(run_ranks(hub, rank), killed=[(1, 0)])
+    for sums, last, builds, abandoned, epoch in out.values():
+        for step, total in enumerate(sums):
+            assert torch.equal(total, sum(_value(r, step) for r in range(3)))
+        assert torch.equal(last, _value(0, 2) + _value(2, 2))
+        assert (builds, abandoned, epoch) == (2, 1, 1)
+
+
+def test_blocked_reduce_is_abandoned_when_the_control_plane_reports_a_failure():
+    """Replica 2 stops taking part (alive, sockets open: no gloo error ever comes) and fails
+    the epoch over the control plane; the two blocked in the gloo all-reduce with it return
+    False within the poll, their buckets untouched (the call reduced a private copy)."""
+    hub = FakeHub(3)
+
+    def rank(world):
+        plane = TorchDataPlane(world, "gloo", timeout_s=60)
+        assert plane.reduce(_value(world.replica, 0))  # the group exists
+        assert world.consensus(True).clean
+        if world.replica == 2:
+            time.sleep(0.5)  # the others are blocked in the next all-reduce by now
+            world.fail_epoch("replica 2 frozen (test)")
+            return world.consensus(False).clean
+        t = _value(world.replica, 1)
+        started = time.monotonic()
+        ok = plane.reduce(t)
+        waited = time.monotonic() - started
+        clean = world.consensus(not world.epoch_failed).clean
+        return ok, waited, torch.equal(t, _value(world.replica, 1)), len(plane.abandoned), clean
+
+    out = values_of(run_ranks(hub, rank))
+    assert out[(2, 0)] is False
+    for key in [(0, 0), (1, 0)]:
+        ok, waited, untouched, abandoned, clean = out[key]
+        assert not ok and untouched and abandoned == 1 and not clean
+        assert 0.3 < waited < 5.0, waited
+
+
+def test_bucket_sync_on_the_torch_plane_rereduces_after_a_death():
+    """BucketSync with a torch plane: replica 1 dies after the first bucket; the survivors'
+    stale buckets are restored and reduced on the new epoch's group."""
+    hub = FakeHub(3)
+
+    def rank(world):
+        units = [FakeUnit(f"u{i}") for i in range(3)]
+        plane = TorchDataPlane(world, "gloo", timeout_s=30)
+        sync = BucketSync(units, world, plane=plane)
+        sync.begin_step(contributes=True)
+        for index, unit in enumerate(units):
+            if world.replica == 1 and index == 1:
+                hub.kill(1)
+            unit.sync(_value(world.replica, index))
+        world.consensus(not world.epoch_failed and sync.all_current())
+        sync.rereduce(contributes=True)
+        assert world.consensus(not world.epoch_failed and sync.all_current()).clean
+        return [b.tensor.clone() for b in sync.buckets], plane.builds
+
+    out = values_of(run_ranks(hub, rank), killed=[(1, 0)])
+    for buckets, builds in out.values():
+        assert builds == 2
+        for index, tensor in enumerate(buckets):
+            assert torch.equal(tensor, _value(0, index) + _value(2, index))
+
+
+def test_bf16_on_the_wire_keeps_replicas_identical():
+    hub = FakeHub(2)
+
+    def rank(world):
+        plane = TorchDataPlane(world, "gloo", wire_dtype="bf16", timeout_s=30)
+        t = torch.randn(N, generator=torch.Generator().manual_seed(world.replica))
+        exact = (torch.randn(N, generator=torch.Generator().manual_seed(0))
+                 + torch.randn(N, generator=torch.Generator().manual_seed(1)))
+        assert plane.reduce(t)
+        return t, exact
+
+    out = values_of(run_ranks(hub, rank))
+    (a, exact), (b, _) = out[(0, 0)], out[(1, 0)]
+    assert a.dtype == torch.float32 and torch.equal(a, b)
+    assert not torch.equal(a, exact)
+    assert torch.allclose(a, exact, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"wire_dtype": "bf16"}, "needs recover.data_plane=torch"),
+    ({"wire_dtype": "bf16", "data_plane": "torch", "save_final_params": True},
+     "recover.save_final_params"),
+    ({"data_plane": "nccl"}, "recover.data_plane='nccl'"),
+    ({"transport": "ib"}, "recover.transport='ib'"),
+])
+def test_data_plane_fields_are_refused_in_one_line(changes, words):
+    rc = JobConfig().recover
+    for name, value in changes.items():
+        setattr(rc, name, value)
+    with pytest.raises(ConfigError) as err:
+        _check_data_plane(rc)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_transport_is_checked_at_launch_in_one_line():
+    """[Note: transports]: tcp needs nothing; uct/ofi need their btl and host libraries (this
+    wheel has the components, this host has no RDMA libraries)."""
+    from recover_hsdp.collectives.mpirun import check_transport, mpirun_prefix
+
+    check_transport("tcp")
+    with pytest.raises(ValueError) as err:
+        check_transport("uct", find_library=lambda name: None)
+    assert "recover.transport='uct'" in str(err.value) and "libibverbs" in str(err.value)
+    check_transport("ofi", find_library=lambda name: f"lib{name}.so")  # libraries found: ok
+    line = mpirun_prefix(2, transport="uct")
+    assert line[line.index("btl") + 1] == "uct,self" and "tcp,self" not in line
