@@ -144,6 +144,23 @@ class Recover:
     """Steps in a row a replica must be out of its band before its quota changes (either way).
     >= 1."""
 
+    max_relaunches: int = 2
+    """The relaunch tier ([Note: the relaunch tier] in cli/relaunch.py): when the MPI job ends
+    without a completed summary (PRRTE lost a daemon: a host crashed or was cut off; a death
+    before the fault-tolerant world was built), ``recover-hsdp train`` starts it again, at most
+    this many times, from the newest complete checkpoint, on the hostfile's hosts minus the
+    lost ones (plus the hostfile's unused hosts), with as many replicas as fit and B unchanged.
+    0: off (the job's abnormal end is the launcher's error). Launch-time setting. >= 0."""
+
+    daemon_keepalive_s: float = 5.0
+    """Idle seconds before PRRTE's TCP keepalive probes a daemon's connection (then 2 probes
+    1 s apart: ``--prtemca oob_tcp_keepalive_time/intvl/probes``). PRRTE ends the job when it
+    loses a daemon; a cut-off host is only noticed through this keepalive: measured on the
+    namespace cluster, a cut link ended the job 6.4 s after the cut at 5 s, 488 s after at
+    PRRTE's defaults (300 s + 9 x 20 s), a relaunch then redoing minutes of steps. A live host's
+    kernel answers the probes even while its daemon is busy. 0: PRRTE's defaults (the in-job
+    tier then trains on with the survivors until PRRTE notices). Launch-time setting."""
+
     faults: Faults = field(default_factory=Faults)
     """Failure injection for tests and demos."""
 
@@ -244,6 +261,16 @@ def check_world_size(world_size: int, ranks_per_replica: int) -> int:
     return world_size // ranks_per_replica
 
 
+def _check_relaunch_fields(rc) -> None:
+    """``max_relaunches`` and ``daemon_keepalive_s`` ([Note: the relaunch tier])."""
+    if rc.max_relaunches < 0:
+        raise ConfigError(f"recover.max_relaunches={rc.max_relaunches}: use 0 (off) or a "
+                          "positive number of relaunches")
+    if rc.daemon_keepalive_s != 0 and rc.daemon_keepalive_s < 1:
+        raise ConfigError(f"recover.daemon_keepalive_s={rc.daemon_keepalive_s}: use 0 (PRRTE's "
+                          "defaults) or >= 1 second")
+
+
 def validate(job_config, world_size: int | None = None) -> None:
     """Start-up validation of a parsed JobConfig (raises ConfigError)."""
     rc = job_config.recover
@@ -281,6 +308,7 @@ def validate(job_config, world_size: int | None = None) -> None:
                           "second (heartbeat period = timeout / 4)")
     if rc.hang_timeout_s <= 0:
         raise ConfigError(f"recover.hang_timeout_s must be > 0 (got {rc.hang_timeout_s})")
+    _check_relaunch_fields(rc)
     par = job_config.parallelism
     data_ranks_per_replica(rc.ranks_per_replica, par.tensor_parallel_degree)
     if par.pipeline_parallel_degree != 1:
