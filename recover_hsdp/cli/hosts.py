@@ -53,6 +53,7 @@ def host_names(agent: list[str], hosts: list[str],
 
 _KILL = ("for ps in {specs}; do p=${{ps%%:*}}; s=${{ps##*:}}; "
          "[ -r /proc/$p/stat ] || continue; "
+         "[ \"$(sed 's/.*) //' /proc/$p/stat | cut -d' ' -f1)\" = Z ] && continue; "
          "[ \"$(sed 's/.*) //' /proc/$p/stat | cut -d' ' -f20)\" = \"$s\" ] || continue; "
          "kill -9 $p 2>/dev/null && echo $p; done; true")
 

@@ -130,6 +130,7 @@ class RecoverManager:
         self._contract_checked = False
         self._current_step = 0
         self._decided_at = 0.0
+        self.emergency_checkpoint = False  # [Note: emergency checkpoint]
         bucket_sync.on_bucket = self._bucket_point
         world.on_phase = self._consensus_point  # the consensus's stages are points of it
         world.on_failed = self._on_failed
@@ -148,6 +149,17 @@ class RecoverManager:
     def is_writer(self) -> bool:
         """[Note: the writer] (manager/writer.py)."""
         return self.writer.is_writer
+
+    def take_emergency_checkpoint(self) -> bool:
+        """[Note: emergency checkpoint] A host lost as a whole (every rank of it out of the
+        world at once: a crash, a cut link) is a failure PRRTE 3.0 does not survive: it ends
+        the job when it notices the lost daemon (``recover.daemon_keepalive_s`` after a cut).
+        So the step boundary after such a repair saves a checkpoint whatever the interval; a
+        relaunch ([Note: the relaunch tier], cli/relaunch.py) then redoes at most the steps
+        after it. True once per such repair; the same on every rank (the alive set and the
+        process table are agreed)."""
+        due, self.emergency_checkpoint = self.emergency_checkpoint, False
+        return due
 
     @property
     def saves_checkpoints(self) -> bool:
@@ -293,6 +305,7 @@ class RecoverManager:
         nobody died (a transient MPI error) keeps the plan: every bucket is reduced again."""
         if result.dead_replicas:
             state.plan = self.policy.replan(state.plan, result.dead_replicas)
+            self.emergency_checkpoint |= bool(self.processes.hosts_emptied())
         self.writer.refresh()
         self._compute_new_extras(step, work, state)
 

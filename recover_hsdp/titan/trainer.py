@@ -55,7 +55,10 @@ class ReplicaCheckpointer:
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
         inner = self._inner
-        if not inner._should_save(curr_step, last_step):
+        due = inner._should_save(curr_step, last_step)
+        emergency = self._manager.take_emergency_checkpoint() and inner.enable \
+            and not inner.load_only  # [Note: emergency checkpoint] (manager/manager.py)
+        if not (due or emergency):
             return
         if not (last_step and inner.last_save_model_only):  # the loader state goes in too
             source = inner.states["dataloader"]
@@ -66,7 +69,12 @@ class ReplicaCheckpointer:
             with self._manager.world.watchdog_paused():
                 # phase=checkpoint: in the save call of that step (choose a step a save is due)
                 self._manager.checkpoint_point(curr_step)
-                self._inner.save(curr_step, last_step=last_step)
+                interval = inner.interval
+                inner.interval = 1 if not due else interval  # the emergency save is due now
+                try:
+                    self._inner.save(curr_step, last_step=last_step)
+                finally:
+                    inner.interval = interval
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
