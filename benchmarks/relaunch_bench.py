@@ -11,7 +11,8 @@ its PRRTE daemon (``kill_node``). PRRTE ends the MPI job either way.
 * ``relaunch``: ``recover-hsdp train`` as shipped ([Note: the relaunch tier]): it relaunches
   from the newest complete checkpoint (an emergency one after a cut link, [Note: emergency
   checkpoint]) on nodes 0, 1, 3.
-* ``by_hand``: the same job with ``--recover.max_relaunches 0``; the moment the launcher
+* ``by_hand``: the same job with ``--recover.max_relaunches 0`` and no emergency checkpoint
+  (``--recover.no-emergency_checkpoint``: only the periodic ones); the moment the launcher
   returns, this script (an operator with zero reaction time: a lower bound) starts the same
   command on nodes 0, 1, 3 with ``--checkpoint.load_step`` = the newest complete checkpoint.
   Both use ``--keepalive`` seconds of PRRTE keepalive (at PRRTE's defaults a cut link ends the
@@ -72,7 +73,8 @@ def one_run(mode: str, fault: str, steps: int, interval: int, keepalive: float, 
     out, ckpt = root / "run", root / "ckpt"
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with NetnsCluster(4, prefix=f"rh22bb{salt % 10}", subnet=f"10.231.{41 + salt % 5}") as c:
-        extra = ["--recover.max_relaunches", "0"] if mode == "by_hand" else []
+        extra = ["--recover.max_relaunches", "0", "--recover.no-emergency_checkpoint"] \
+            if mode == "by_hand" else []
         log = open(root / "run.log", "w")
         proc = c.popen(0, _argv(c, out, ckpt, steps, interval, keepalive, c.hostfile, extra),
                        env=env, stdout=log, stderr=log, cwd=str(REPO))

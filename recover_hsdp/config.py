@@ -161,6 +161,12 @@ class Recover:
     kernel answers the probes even while its daemon is busy. 0: PRRTE's defaults (the in-job
     tier then trains on with the survivors until PRRTE notices). Launch-time setting."""
 
+    emergency_checkpoint: bool = True
+    """After a repair that took every rank of a host out of the world (a crash, a cut link:
+    a failure PRRTE ends the job for, soon after), save a DCP checkpoint at that step boundary
+    whatever ``checkpoint.interval`` says ([Note: emergency checkpoint] in manager/manager.py),
+    so a relaunch redoes at most the steps after it. Needs ``checkpoint.enable``."""
+
     faults: Faults = field(default_factory=Faults)
     """Failure injection for tests and demos."""
 

@@ -231,3 +231,49 @@ def test_bad_relaunch_fields_are_one_line(field, value, words):
     with pytest.raises(ConfigError) as err:
         _check_relaunch_fields(rc)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_emergency_checkpoint_after_a_whole_host_is_lost():
+    """[Note: emergency checkpoint]: a repair that empties a host makes the next step boundary
+    save whatever the interval, once; a lost replica whose host keeps others does not."""
+    from types import SimpleNamespace
+
+    from recover_hsdp.collectives.processes import ProcessInfo
+    from recover_hsdp.manager.local_processes import LocalProcesses
+    from recover_hsdp.titan.trainer import ReplicaCheckpointer
+
+    alive = [0, 1, 2, 3]
+    world = SimpleNamespace(layout=SimpleNamespace(alive_ranks=lambda: list(alive)))
+    table = [ProcessInfo(h, 10 + i, 1) for i, h in enumerate(["a", "a", "b", "c"])]
+    processes = LocalProcesses(world, table)
+    assert processes.hosts_emptied() == set()
+    alive[:] = [0, 2, 3]            # rank 1 dies, host a keeps rank 0
+    assert processes.hosts_emptied() == set()
+    alive[:] = [0, 3]               # host b lost as a whole
+    assert processes.hosts_emptied() == {"b"}
+    assert processes.hosts_emptied() == set()   # once
+
+    saved = []
+
+    class Inner:
+        enable, load_only, interval, last_save_model_only = True, False, 100, True
+        states = {"dataloader": SimpleNamespace(gathers_state=False)}
+
+        def _should_save(self, step, last_step=False):
+            return last_step or step % self.interval == 0
+
+        def save(self, step, last_step=False):
+            if self._should_save(step, last_step):
+                saved.append(step)
+
+    import contextlib
+
+    flags = [False, True, False]
+    manager = SimpleNamespace(
+        take_emergency_checkpoint=lambda: flags.pop(0), saves_checkpoints=True,
+        world=SimpleNamespace(watchdog_paused=contextlib.nullcontext),
+        checkpoint_point=lambda step: None)
+    checkpointer = ReplicaCheckpointer(Inner(), manager)
+    for step in (3, 4, 5):
+        checkpointer.save(step)
+    assert saved == [4] and checkpointer.interval == 100

@@ -92,6 +92,7 @@ class RecoverManager:
         respawn_after_steps: ``[recover] respawn_after_steps`` (rejoin; 0: only on request).
         joins: the join primitives for :class:`Rejoin` (tests: the fake world's).
         nonfinite_max_offences, nonfinite_window_steps: [Note: bad replicas] (``[recover]``).
+        emergency_checkpoint: ``[recover] emergency_checkpoint`` ([Note: emergency checkpoint]).
     """
 
     def __init__(self, *, world, bucket_sync, policy: WorkloadPolicy, faults: FaultInjector,
@@ -100,7 +101,8 @@ class RecoverManager:
                  parameter_checksum: Callable[[], float] | None = None,
                  procs: Sequence[ProcessInfo] = (), die: Callable[[], None] | None = None,
                  counts_data: bool = True, respawn_after_steps: int = 0, joins=None,
-                 nonfinite_max_offences: int = 3, nonfinite_window_steps: int = 100):
+                 nonfinite_max_offences: int = 3, nonfinite_window_steps: int = 100,
+                 emergency_checkpoint: bool = True):
         self.world, self.bucket_sync, self.policy = world, bucket_sync, policy
         self.outputs, self.out_dir = outputs, Path(out_dir)
         self.tokens_per_microbatch = tokens_per_microbatch
@@ -131,6 +133,7 @@ class RecoverManager:
         self._current_step = 0
         self._decided_at = 0.0
         self.emergency_checkpoint = False  # [Note: emergency checkpoint]
+        self._emergency_on = emergency_checkpoint
         bucket_sync.on_bucket = self._bucket_point
         world.on_phase = self._consensus_point  # the consensus's stages are points of it
         world.on_failed = self._on_failed
@@ -305,7 +308,8 @@ class RecoverManager:
         nobody died (a transient MPI error) keeps the plan: every bucket is reduced again."""
         if result.dead_replicas:
             state.plan = self.policy.replan(state.plan, result.dead_replicas)
-            self.emergency_checkpoint |= bool(self.processes.hosts_emptied())
+            emptied = self.processes.hosts_emptied()  # [Note: emergency checkpoint]
+            self.emergency_checkpoint |= self._emergency_on and bool(emptied)
         self.writer.refresh()
         self._compute_new_extras(step, work, state)
 
