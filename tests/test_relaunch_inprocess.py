@@ -86,6 +86,10 @@ def test_plan_uses_standby_hosts_keeps_replicas_that_fit_and_is_bounded():
     assert (two.replicas, two.resume_step) == (2, 0)
     assert "used up" in plan_relaunch(entries, lost, 1, 3, 1, 4, 2, 2)
     assert "no host left" in plan_relaunch(entries[:1], {"10.0.0.1": "x"}, 1, 3, 1, 4, 0, 2)
+    assert "the same way" in plan_relaunch(entries, {}, 1, 3, 1, None, 0, 2, progressed=False,
+                                           newly_lost=0)
+    one_host = [HostEntry("me", "me")]              # no hostfile: mpirun oversubscribes
+    assert plan_relaunch(one_host, {}, 2, 3, None, 0, 0, 1).replicas == 3
     # slots decide without a ppr mapping: 2 + 2 ranks = 2 replicas of 2
     slots = [HostEntry("a", "a slots=2", 2), HostEntry("b", "b slots=2", 2)]
     assert plan_relaunch(slots, {}, 2, 3, None, 0, 0, 1).replicas == 2

@@ -141,9 +141,10 @@ def lost_hosts(hosts: list[str], ev: Evidence) -> dict[str, str]:
 def replicas_that_fit(entries: list[HostEntry], ranks_per_replica: int, wanted: int,
                       ranks_per_host: int | None) -> int:
     """Replicas (of S ranks) that ``entries`` hold: ``ranks_per_host`` ranks on each host
-    (a ``--map-by ppr:K:node`` or GPU layout), else each host's ``slots`` (1 if unset); at
-    most ``wanted``."""
-    ranks = sum(ranks_per_host if ranks_per_host else (e.slots or 1) for e in entries)
+    (a ``--map-by ppr:K:node`` or GPU layout), else each host's ``slots`` (unset: as many as
+    asked, mpirun oversubscribes CPU hosts); at most ``wanted``."""
+    ranks = sum(ranks_per_host if ranks_per_host else (e.slots or wanted * ranks_per_replica)
+                for e in entries)
     return min(wanted, ranks // ranks_per_replica)
 
 
@@ -158,11 +159,18 @@ class Plan:
 
 def plan_relaunch(entries: list[HostEntry], lost: dict[str, str], ranks_per_replica: int,
                   replicas: int, ranks_per_host: int | None, checkpoint_step: int | None,
-                  relaunches_done: int, max_relaunches: int) -> Plan | str:
-    """The next attempt ([Note: the relaunch tier], step 3), or why there is none (one line)."""
+                  relaunches_done: int, max_relaunches: int, progressed: bool = True,
+                  newly_lost: int = 1) -> Plan | str:
+    """The next attempt ([Note: the relaunch tier], step 3), or why there is none (one line).
+    ``progressed``: the ended attempt committed a step; ``newly_lost``: hosts it lost. An
+    attempt that did neither would end the same way again (a bad setting, a broken install):
+    it is not relaunched."""
     if relaunches_done >= max_relaunches:
         return (f"the job ended abnormally and recover.max_relaunches={max_relaunches} "
                 "relaunch(es) are used up")
+    if not progressed and not newly_lost:
+        return ("the job ended abnormally before its first step with no host to blame; a "
+                "relaunch would end the same way: see the log above")
     left = [e for e in entries if e.name not in lost]
     fit = replicas_that_fit(left, ranks_per_replica, replicas, ranks_per_host)
     if fit < 1:
