@@ -13,7 +13,8 @@ import pytest
 from recover_hsdp.cli import attempts, relaunch
 from recover_hsdp.cli import hosts as remote
 from recover_hsdp.cli.hosts import ssh_agent
-from recover_hsdp.cli.relaunch import (Evidence, HostEntry, daemon_hosts, lost_hosts, merge_steps,
+from recover_hsdp.cli.relaunch import (Evidence, HostEntry, daemon_hosts, ends_the_same_way,
+                                       lost_hosts, merge_steps,
                                        newest_complete_checkpoint, parse_hostfile, plan_relaunch,
                                        ranks_per_host_of)
 
@@ -86,8 +87,13 @@ def test_plan_uses_standby_hosts_keeps_replicas_that_fit_and_is_bounded():
     assert (two.replicas, two.resume_step) == (2, 0)
     assert "used up" in plan_relaunch(entries, lost, 1, 3, 1, 4, 2, 2)
     assert "no host left" in plan_relaunch(entries[:1], {"10.0.0.1": "x"}, 1, 3, 1, 4, 0, 2)
-    assert "the same way" in plan_relaunch(entries, {}, 1, 3, 1, None, 0, 2, progressed=False,
-                                           newly_lost=0)
+    assert plan_relaunch(entries, {}, 1, 3, 1, None, 0, 2, hopeless="x") == "x"
+    config = {r: {"host": "n0", "exited": "SystemExit: 2"} for r in range(3)}
+    assert "configuration error" in ends_the_same_way(config, False, 0)
+    assert ends_the_same_way(config, True, 0) is None          # it trained: relaunch
+    crashed = {**config, 1: {"host": "n1"}}                     # a rank crashed: relaunch
+    assert ends_the_same_way(crashed, False, 0) is None
+    assert ends_the_same_way({}, False, 0) is None             # died inside MPI_Init: relaunch
     one_host = [HostEntry("me", "me")]              # no hostfile: mpirun oversubscribes
     assert plan_relaunch(one_host, {}, 2, 3, None, 0, 0, 1).replicas == 3
     # slots decide without a ppr mapping: 2 + 2 ranks = 2 replicas of 2

@@ -127,10 +127,11 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
         _end_old_job(agent, evidence, entries, out)
         last_step = max((s["step"] for s in _read_jsonl(out / "metrics.jsonl")),
                         default=(records[-1].resume_step if records else 0))
-        progressed = bool(_read_jsonl(out / "metrics.jsonl"))
+        hopeless = relaunch.ends_the_same_way(evidence.start_records,
+                                              bool(_read_jsonl(out / "metrics.jsonl")), len(new))
         plan = relaunch.plan_relaunch(entries, lost, ranks_per_replica, args.replicas, per_host,
                                       relaunch.newest_complete_checkpoint(folder), len(records),
-                                      rc.max_relaunches, progressed, len(new))
+                                      rc.max_relaunches, hopeless)
         _keep_attempt(out, attempt, "".join(tail))
         if isinstance(plan, str):
             print(f"recover-hsdp: no relaunch: {plan}", file=sys.stderr, flush=True)

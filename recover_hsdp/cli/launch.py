@@ -382,8 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recover-hsdp: error: the job failed after {summary['steps']} steps (launcher "
               f"exit code {returncode}); see the log above", file=sys.stderr)
         return returncode or 1
+    relaunched = summary.get("attempts", 1) - 1
     print(f"recover-hsdp: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-          f"{summary['tokens_per_s']:.0f} tokens/s, wall {summary['wall_s']:.1f}s -> {out}")
+          f"{summary['tokens_per_s']:.0f} tokens/s, wall {summary['wall_s']:.1f}s"
+          + (f" (last attempt; {relaunched} relaunch(es))" if relaunched else "") + f" -> {out}")
     return 0
 
 

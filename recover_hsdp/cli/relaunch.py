@@ -138,6 +138,20 @@ def lost_hosts(hosts: list[str], ev: Evidence) -> dict[str, str]:
     return lost
 
 
+def ends_the_same_way(start_records: dict[int, dict], progressed: bool,
+                      newly_lost: int) -> str | None:
+    """Why a relaunch would end the same way, or None: the attempt committed no step, lost no
+    host, and every rank left through a configuration error (exit code 2, one line on stderr).
+    Anything else before the first step (a crash inside MPI_Init, a start-up death) may be
+    transient: relaunched, within ``max_relaunches``."""
+    reasons = [r.get("exited", "") for r in start_records.values()]
+    if progressed or newly_lost or not reasons or \
+            not all(r.startswith("SystemExit: 2") for r in reasons):
+        return None
+    return ("every rank stopped on a configuration error before the first step (see the "
+            "log above): not relaunched")
+
+
 def replicas_that_fit(entries: list[HostEntry], ranks_per_replica: int, wanted: int,
                       ranks_per_host: int | None) -> int:
     """Replicas (of S ranks) that ``entries`` hold: ``ranks_per_host`` ranks on each host
@@ -159,18 +173,15 @@ class Plan:
 
 def plan_relaunch(entries: list[HostEntry], lost: dict[str, str], ranks_per_replica: int,
                   replicas: int, ranks_per_host: int | None, checkpoint_step: int | None,
-                  relaunches_done: int, max_relaunches: int, progressed: bool = True,
-                  newly_lost: int = 1) -> Plan | str:
+                  relaunches_done: int, max_relaunches: int,
+                  hopeless: str | None = None) -> Plan | str:
     """The next attempt ([Note: the relaunch tier], step 3), or why there is none (one line).
-    ``progressed``: the ended attempt committed a step; ``newly_lost``: hosts it lost. An
-    attempt that did neither would end the same way again (a bad setting, a broken install):
-    it is not relaunched."""
+    ``hopeless``: :func:`ends_the_same_way`'s reason, if any."""
     if relaunches_done >= max_relaunches:
         return (f"the job ended abnormally and recover.max_relaunches={max_relaunches} "
                 "relaunch(es) are used up")
-    if not progressed and not newly_lost:
-        return ("the job ended abnormally before its first step with no host to blame; a "
-                "relaunch would end the same way: see the log above")
+    if hopeless:
+        return hopeless
     left = [e for e in entries if e.name not in lost]
     fit = replicas_that_fit(left, ranks_per_replica, replicas, ranks_per_host)
     if fit < 1:
