@@ -94,7 +94,6 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
         print(f"recover-hsdp: {out}: removed the earlier run's {', '.join(removed)}", flush=True)
     (out / RELAUNCH_DIR).mkdir()
     records: list[relaunch.RelaunchRecord] = []
-    current = args
     returncode = 0
     while True:
         print("+ " + " ".join(command), flush=True)
@@ -109,10 +108,10 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
         returncode = supervise(command, env, out, args.end_grace, tail=tail, on_poll=watch)
         ended_at = time.time()
         if records:
-            _training_again(records[-1], first_step, out)
+            _training_again(records[-1], first_step)
         if _completed(out) is not None:
             break
-        aliases = {h: n for h, n in remote.host_names(agent, [e.name for e in entries]).items()}
+        aliases = remote.host_names(agent, [e.name for e in entries])  # who answers, as whom
         attempt = len(records)
         evidence = relaunch.Evidence(
             log_text="".join(tail), procs=[p.__dict__ for p in read_registry(out)],
@@ -170,7 +169,7 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
     return returncode
 
 
-def _training_again(record: relaunch.RelaunchRecord, first_step: list[float], out: Path) -> None:
+def _training_again(record: relaunch.RelaunchRecord, first_step: list[float]) -> None:
     if first_step:
         record.training_again_at = first_step[0]
         record.failure_to_training_s = first_step[0] - record.failure_at
