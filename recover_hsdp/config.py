@@ -182,6 +182,29 @@ class Recover:
     libraries (libibverbs / libuct, libfabric) loadable, or the launch stops with one line
     naming this field."""
 
+    max_relaunches: int = 2
+    """The relaunch tier ([Note: the relaunch tier] in cli/relaunch.py): when the MPI job ends
+    without a completed summary (PRRTE lost a daemon: a host crashed or was cut off; a death
+    before the fault-tolerant world was built), ``recover-hsdp train`` starts it again, at most
+    this many times, from the newest complete checkpoint, on the hostfile's hosts minus the
+    lost ones (plus the hostfile's unused hosts), with as many replicas as fit and B unchanged.
+    0: off (the job's abnormal end is the launcher's error). Launch-time setting. >= 0."""
+
+    daemon_keepalive_s: float = 5.0
+    """Idle seconds before PRRTE's TCP keepalive probes a daemon's connection (then 2 probes
+    1 s apart: ``--prtemca oob_tcp_keepalive_time/intvl/probes``). PRRTE ends the job when it
+    loses a daemon; a cut-off host is only noticed through this keepalive: measured on the
+    namespace cluster, a cut link ended the job 6.4 s after the cut at 5 s, 488 s after at
+    PRRTE's defaults (300 s + 9 x 20 s), a relaunch then redoing minutes of steps. A live host's
+    kernel answers the probes even while its daemon is busy. 0: PRRTE's defaults (the in-job
+    tier then trains on with the survivors until PRRTE notices). Launch-time setting."""
+
+    emergency_checkpoint: bool = True
+    """After a repair that took every rank of a host out of the world (a crash, a cut link:
+    a failure PRRTE ends the job for, soon after), save a DCP checkpoint at that step boundary
+    whatever ``checkpoint.interval`` says ([Note: emergency checkpoint] in manager/manager.py),
+    so a relaunch redoes at most the steps after it. Needs ``checkpoint.enable``."""
+
     faults: Faults = field(default_factory=Faults)
     """Failure injection for tests and demos."""
 
@@ -282,6 +305,16 @@ def check_world_size(world_size: int, ranks_per_replica: int) -> int:
     return world_size // ranks_per_replica
 
 
+def _check_relaunch_fields(rc) -> None:
+    """``max_relaunches`` and ``daemon_keepalive_s`` ([Note: the relaunch tier])."""
+    if rc.max_relaunches < 0:
+        raise ConfigError(f"recover.max_relaunches={rc.max_relaunches}: use 0 (off) or a "
+                          "positive number of relaunches")
+    if rc.daemon_keepalive_s != 0 and rc.daemon_keepalive_s < 1:
+        raise ConfigError(f"recover.daemon_keepalive_s={rc.daemon_keepalive_s}: use 0 (PRRTE's "
+                          "defaults) or >= 1 second")
+
+
 def validate(job_config, world_size: int | None = None) -> None:
     """Start-up validation of a parsed JobConfig (raises ConfigError)."""
     rc = job_config.recover
@@ -326,6 +359,7 @@ def validate(job_config, world_size: int | None = None) -> None:
     if rc.hang_progress_factor < 1:
         raise ConfigError(f"recover.hang_progress_factor must be >= 1 (got "
                           f"{rc.hang_progress_factor}); the default is 40")
+    _check_relaunch_fields(rc)
     par = job_config.parallelism
     data_ranks_per_replica(rc.ranks_per_replica, par.tensor_parallel_degree)
     if par.pipeline_parallel_degree != 1:

@@ -30,7 +30,8 @@ def clear_run_files(out_dir: str | Path) -> list[str]:
         if path.exists():
             path.unlink()
             removed.append(path.name)
-    for folder in ("membership", "errors", "samples", "join"):  # claims, errors, data log, joins
+    for folder in ("membership", "errors", "samples", "join", "start"):  # claims, errors, data
+        # log, joins, start-up records
         if (out_dir / folder).is_dir():
             shutil.rmtree(out_dir / folder)
             removed.append(f"{folder}/")

@@ -52,6 +52,30 @@ def _own_device() -> bool:
     return None not in names and len(set(names)) == len(names)
 
 
+def _option(argv: list[str], key: str) -> str | None:
+    for index, arg in enumerate(argv):
+        if arg == key and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith(key + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _start_record(argv: list[str], exited: str | None = None) -> None:
+    """[Note: start-up records] (collectives/processes.py): where this rank runs, written
+    right after MPI_Init, and its reason when it leaves through an exception. Never fails."""
+    out = _option(argv, "--job.dump_folder")
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK")
+    if out is None or rank is None or os.environ.get("RECOVER_HSDP_NEWCOMER"):
+        return
+    try:
+        from recover_hsdp.collectives.processes import write_start_record
+
+        write_start_record(out, int(rank), exited)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     mpirun = "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ
@@ -64,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         # (recover.detect_timeout_s) then runs on every rank from the start, and start-up skew
         # between ranks stays small.
         import recover_hsdp.collectives.world  # noqa: F401
+        _start_record(argv)
     try:
         config_file = _config_file(argv)
         if config_file is not None:
@@ -90,6 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         print(f"recover-hsdp: config error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except BaseException as err:
+        if mpirun and not stock:
+            _start_record(argv, exited=f"{type(err).__name__}: {str(err)[:200]}")
+        raise
 
 
 if __name__ == "__main__":

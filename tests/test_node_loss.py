@@ -33,20 +33,27 @@ STEPS = 8
 def _names(tag: str, salt: int) -> tuple[str, str]:
     """A namespace prefix and a /24 of our own. NETNS_TEST_PREFIX (<= 6 chars) and
     NETNS_TEST_NET ("a.b") override the defaults ("rhl<pid>", "10.231") when several people share
-    a machine."""
+    a machine; NETNS_TEST_SUBNET ("a.b.c") fixes the /24 (for tests run one after another)."""
     prefix = os.environ.get("NETNS_TEST_PREFIX", f"rhl{os.getpid() % 1000}")
     net = os.environ.get("NETNS_TEST_NET", "10.231")
-    return f"{prefix}{tag}"[:8], f"{net}.{(salt + os.getpid()) % 250}"
+    subnet = os.environ.get("NETNS_TEST_SUBNET") or f"{net}.{(salt + os.getpid()) % 250}"
+    return f"{prefix}{tag}"[:8], subnet
 
 
-def _launch(cluster: NetnsCluster, out, steps=STEPS, replicas=None, extra=()):
+IN_JOB = ("--recover.daemon_keepalive_s", "0")
+"""PRRTE's own keepalive (~8 min): a cut link stays the in-job tier's for these short runs
+(with the launcher's 5 s, PRRTE ends the job and the relaunch tier takes over:
+tests/test_relaunch.py)."""
+
+
+def _launch(cluster: NetnsCluster, out, steps=STEPS, replicas=None, extra=(), train=IN_JOB):
     """``recover-hsdp train`` run inside node 0, one replica per node (the first ``replicas``
     nodes; the others stand by)."""
     mpi = [*cluster.mpirun_args(), "--map-by", "ppr:1:node"]
     argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(DEBUG_CONFIG),
             "--replicas", str(replicas or cluster.n), "--out", str(out), "--end-grace", "10",
             *[f"--mpi-arg={a}" for a in mpi], *extra,
-            "--", "--training.steps", str(steps), "--recover.hang_timeout_s", "30"]
+            "--", "--training.steps", str(steps), "--recover.hang_timeout_s", "30", *train]
     log = open(out.parent / f"{out.name}.log", "w")
     proc = cluster.popen(0, argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
                          stdout=log, stderr=log, cwd=str(REPO))
@@ -125,17 +132,19 @@ def test_lost_node_the_others_finish(tmp_path, fault, nodes):
             assert victim.state() in (None, "Z")
 
 
+@pytest.mark.slow  # default suite: tests/test_relaunch.py relaunches after the same fault
 def test_crashed_node_with_its_daemon_ends_the_job_cleanly(tmp_path):
     """(a) SIGKILL of everything on node 2, its prted included: PRRTE aborts the job (measured:
-    no PRRTE option keeps a job whose daemon is lost). What the launcher guarantees: it returns
-    promptly, says so in one line, and no process of the job is left on any node.
+    no PRRTE option keeps a job whose daemon is lost). With the relaunch tier off
+    (``recover.max_relaunches = 0``) the launcher returns promptly, says so in one line, and no
+    process of the job is left on any node.
     Real process: PRRTE's reaction to a lost daemon, and nothing left behind on the reachable
     nodes."""
     out = tmp_path / "run"
     out.mkdir()
     prefix, subnet = _names("a", 150)
     with NetnsCluster(4, prefix=prefix, subnet=subnet) as cluster:
-        proc, log = _launch(cluster, out)
+        proc, log = _launch(cluster, out, train=("--recover.max_relaunches", "0"))
         _wait_for_step(out, 2, proc)
         cluster.kill_node(2)
         rc, wall, text = _finish(proc, out, timeout=120)

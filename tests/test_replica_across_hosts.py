@@ -22,7 +22,7 @@ import pytest
 from conftest import DEBUG_CONFIG, REPO, read_jsonl, run_cli
 from netns_cluster import NetnsCluster, skip_unless_available
 from recover_hsdp.collectives.processes import read_registry
-from test_node_loss import _finish, _names, _wait_for_step
+from test_node_loss import IN_JOB, _finish, _names, _wait_for_step
 
 pytestmark = skip_unless_available()
 
@@ -51,7 +51,7 @@ def _launch_split_replica(cluster: NetnsCluster, out):
     argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(DEBUG_CONFIG),
             "--replicas", "2", "--ranks-per-replica", "2", "--out", str(out), "--end-grace", "10",
             *[f"--mpi-arg={arg}" for arg in mpi],
-            "--", "--training.steps", str(STEPS), "--recover.hang_timeout_s", "30"]
+            "--", "--training.steps", str(STEPS), "--recover.hang_timeout_s", "30", *IN_JOB]
     log = open(out.parent / f"{out.name}.log", "w")
     proc = cluster.popen(0, argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
                          stdout=log, stderr=log, cwd=str(REPO))

@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,7 +34,8 @@ from recover_hsdp.config import (
 )
 from recover_hsdp.outputs import clear_run_files
 from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, GPUS_PER_NODE_ENV, RANKS_PER_GPU_ENV,
-                                             check_ulfm_mpirun, default_mpirun,
+                                             check_ulfm_mpirun, daemon_keepalive_args,
+                                             default_mpirun,
                                              gpu_placement_args, heartbeat_detector_args,
                                              job_environment, mpirun_prefix)
 from recover_hsdp.collectives.processes import kill_local, read_registry
@@ -102,9 +104,16 @@ at once, naming it, instead of timing out on a network that is not there)."""
 
 
 def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
-    """The command line of the job and its output folder. The config is read once here through
-    TorchTitan's ``ConfigManager`` with exactly the arguments every rank will get, and checked
-    with the same ``validate`` the ranks run: bad input stops here with one line."""
+    """The command line of the job and its output folder (:func:`build_job`)."""
+    command, out, _ = build_job(args)
+    return command, out
+
+
+def build_job(args: argparse.Namespace) -> tuple[list[str], Path, object]:
+    """The command line of the job, its output folder and its JobConfig. The config is read
+    once here through TorchTitan's ``ConfigManager`` with exactly the arguments every rank will
+    get, and checked with the same ``validate`` the ranks run: bad input stops here with one
+    line."""
     out = Path(args.out or Path("outputs") / Path(args.config).stem).resolve()
     base = read_job_config(args.config, list(args.overrides))
     ranks_per_replica = args.ranks_per_replica or base.recover.ranks_per_replica
@@ -134,7 +143,7 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], Path]:
 
     check_model_parallelism(job)
     launcher = _launcher(args, job, ranks)
-    return [*launcher, "-m", "recover_hsdp.train", *train], out
+    return [*launcher, "-m", "recover_hsdp.train", *train], out, job
 
 
 def _launcher(args: argparse.Namespace, job, ranks: int) -> list[str]:
@@ -146,7 +155,8 @@ def _launcher(args: argparse.Namespace, job, ranks: int) -> list[str]:
         torchrun = _tool("torchrun") or "torchrun"
         return [torchrun, "--standalone", "--nproc_per_node", str(ranks)]
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **OFFLINE}
-    extra = [] if args.stock else heartbeat_detector_args(job.recover.detect_timeout_s)
+    extra = [] if args.stock else [*heartbeat_detector_args(job.recover.detect_timeout_s),
+                                   *daemon_keepalive_args(job.recover.daemon_keepalive_s)]
     if gpus:
         env[GPUS_PER_NODE_ENV] = str(gpus)
         if args.ranks_per_gpu > 1:
@@ -206,24 +216,36 @@ def _master_addr(args: argparse.Namespace) -> str:
     return address
 
 
-def supervise(command: list[str], env: dict, out: Path, end_grace_s: float) -> int:
+def supervise(command: list[str], env: dict, out: Path, end_grace_s: float,
+              tail=None, on_poll=None) -> int:
     """Run the job and make sure it ends: [Note: nothing left behind]
     (``recover_hsdp.collectives.processes``). mpirun waits for every process it started, also one
     the world excluded because it froze or was cut off. So once the run's summary is written
     mpirun gets ``end_grace_s`` to return; and if every process of the job is on this host and
     none can make progress any more (all gone or stopped), nothing will come: in both cases the
     launcher ends mpirun (SIGTERM, then SIGKILL after 5 s) and any registered process of the job
-    still alive on this host. Returns mpirun's exit code (negative: ended by a signal)."""
+    still alive on this host. Returns mpirun's exit code (negative: ended by a signal).
+
+    ``tail``: a ``collections.deque`` that receives mpirun's output lines (still printed);
+    ``on_poll``: called every poll (0.2 s) while mpirun runs (the relaunch tier's clock)."""
     started = time.time()
     summary = out / "summary.json"
-    proc = subprocess.Popen(command, env=env)
+    proc = subprocess.Popen(command, env=env, **({} if tail is None else dict(
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")))
+    readers = [] if tail is None else [
+        threading.Thread(target=_relay, args=(stream, sink, tail), daemon=True)
+        for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    for reader in readers:
+        reader.start()
     written_at = None
     while True:
         try:
-            returncode = proc.wait(timeout=0.5)
+            returncode = proc.wait(timeout=0.2)
             break
         except subprocess.TimeoutExpired:
             pass
+        if on_poll is not None:
+            on_poll()
         if written_at is None and summary.exists() and summary.stat().st_mtime >= started:
             written_at = time.monotonic()
         overdue = written_at is not None and time.monotonic() - written_at > end_grace_s
@@ -238,11 +260,20 @@ def supervise(command: list[str], env: dict, out: Path, end_grace_s: float) -> i
                 proc.kill()
                 returncode = proc.wait()
             break
+    for reader in readers:
+        reader.join(timeout=5)
     leftovers = kill_local(read_registry(out))
     if leftovers:
         print(f"recover-hsdp: ended processes of the job left on this host: {leftovers}",
               file=sys.stderr, flush=True)
     return returncode
+
+
+def _relay(stream, sink, tail) -> None:
+    for line in stream:
+        sink.write(line)
+        sink.flush()
+        tail.append(line)
 
 
 def _no_progress_possible(out: Path) -> bool:
@@ -313,18 +344,33 @@ def main(argv: list[str] | None = None) -> int:
         from recover_hsdp.cli.demo import run_demo
 
         return run_demo(args, train_main=main)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **OFFLINE}
     try:
-        command, out = build_command(args)
+        if args.stock:
+            command, out = build_command(args)
+        else:  # [Note: the relaunch tier] (cli/relaunch.py): the attempts, in cli/attempts.py
+            from recover_hsdp.cli.attempts import train_with_relaunch
+
+            holder: list[Path] = []
+
+            def build(a):
+                built = build_job(a)
+                holder.append(built[1])
+                return built
+
+            returncode = train_with_relaunch(args, build, supervise, env)
+            out = holder[0]
     except ConfigError as err:
         print(f"recover-hsdp: error: {err}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    removed = clear_run_files(out)  # an earlier run's outputs never mix with this one's
-    if removed:
-        print(f"recover-hsdp: {out}: removed the earlier run's {', '.join(removed)}", flush=True)
-    print("+ " + " ".join(command), flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **OFFLINE}
-    returncode = supervise(command, env, out, args.end_grace)
+    if args.stock:
+        out.mkdir(parents=True, exist_ok=True)
+        removed = clear_run_files(out)  # an earlier run's outputs never mix with this one's
+        if removed:
+            print(f"recover-hsdp: {out}: removed the earlier run's {', '.join(removed)}",
+                  flush=True)
+        print("+ " + " ".join(command), flush=True)
+        returncode = supervise(command, env, out, args.end_grace)
     summary_path = out / "summary.json"
     # [Note: mpirun exit code] With --with-ft ulfm, mpirun exits 0 even when ranks died, so
     # success is judged on the job's own outputs.
@@ -337,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recover-hsdp: error: the job failed after {summary['steps']} steps (launcher "
               f"exit code {returncode}); see the log above", file=sys.stderr)
         return returncode or 1
+    relaunched = summary.get("attempts", 1) - 1
     print(f"recover-hsdp: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-          f"{summary['tokens_per_s']:.0f} tokens/s, wall {summary['wall_s']:.1f}s -> {out}")
+          f"{summary['tokens_per_s']:.0f} tokens/s, wall {summary['wall_s']:.1f}s"
+          + (f" (last attempt; {relaunched} relaunch(es))" if relaunched else "") + f" -> {out}")
     return 0
 
 

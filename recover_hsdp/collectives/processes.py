@@ -93,3 +93,39 @@ def read_registry(out_dir: str | Path) -> list[ProcessInfo]:
 def kill_local(procs: list[ProcessInfo]) -> list[int]:
     """SIGKILL those of ``procs`` that still run on this host; returns the pids signalled."""
     return [p.pid for p in procs if p.kill()]
+
+
+# ---------------------------------------------------------------- start-up records
+
+START_DIR = "start"
+"""[Note: start-up records] ``procs.json`` exists only once the bootstrap all-gather is done;
+a rank that dies before (MPI_Init, the bootstrap, the replica's rendezvous: the deaths the
+in-job tier cannot repair) would leave no trace of where it ran. So every rank writes
+``start/rank<N>.json`` (its :class:`ProcessInfo`) right after MPI_Init, and a rank that leaves
+through an exception adds ``"exited"``: its reason. After a job that ended before its world was
+built, a rank with a record and no ``exited`` died hard (SIGKILL, a crash): the relaunch tier
+(``recover_hsdp.cli.relaunch``) treats its host as lost."""
+
+
+def write_start_record(out_dir: str | Path, rank: int, exited: str | None = None) -> None:
+    """``start/rank<rank>.json`` in ``out_dir`` (this process), with ``exited`` when given."""
+    folder = Path(out_dir) / START_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {**asdict(ProcessInfo.current()), "rank": rank}
+    if exited is not None:
+        record["exited"] = exited
+    tmp = folder / f".rank{rank}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(folder / f"rank{rank}.json")
+
+
+def read_start_records(out_dir: str | Path) -> dict[int, dict]:
+    """rank -> start record (``ProcessInfo`` fields, ``rank``, maybe ``exited``)."""
+    records = {}
+    for path in sorted((Path(out_dir) / START_DIR).glob("rank*.json")):
+        try:
+            record = json.loads(path.read_text())
+            records[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return records

@@ -70,7 +70,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
         counts_data=placement.shard % tp == 0,
         consistency_check_interval=rc.consistency_check_interval,
         parameter_checksum=lambda: local_parameter_checksum(model), procs=procs,
-        respawn_after_steps=rc.respawn_after_steps,
+        respawn_after_steps=rc.respawn_after_steps, emergency_checkpoint=rc.emergency_checkpoint,
         nonfinite_max_offences=rc.nonfinite_max_offences,
         nonfinite_window_steps=rc.nonfinite_window_steps)
     heartbeat = active_heartbeat()

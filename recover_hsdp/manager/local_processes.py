@@ -41,6 +41,18 @@ class LocalProcesses:
         alive = set(self.world.layout.alive_ranks())
         self._end([r for r in range(len(self.table)) if r not in alive], frozen_only)
 
+    def hosts_emptied(self) -> set[str]:
+        """Hosts whose every rank is out of the world now and was not at the last call: a host
+        lost as a whole ([Note: emergency checkpoint] in manager/manager.py). The same on every
+        rank (the table and the alive set are agreed)."""
+        alive = set(self.world.layout.alive_ranks())
+        hosts: dict[str, bool] = {}
+        for rank, proc in enumerate(self.table):
+            hosts[proc.host] = hosts.get(proc.host, False) or rank in alive
+        empty = {h for h, any_alive in hosts.items() if not any_alive}
+        new, self._empty = empty - getattr(self, "_empty", set()), empty
+        return new
+
     def place(self, world_ranks: Sequence[int], processes: Sequence[ProcessInfo]) -> None:
         """Newcomers joined as ``world_ranks`` ([Note: rejoin at a boundary])."""
         for world_rank, process in zip(world_ranks, processes):

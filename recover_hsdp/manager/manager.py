@@ -92,6 +92,7 @@ class RecoverManager:
         respawn_after_steps: ``[recover] respawn_after_steps`` (rejoin; 0: only on request).
         joins: the join primitives for :class:`Rejoin` (tests: the fake world's).
         nonfinite_max_offences, nonfinite_window_steps: [Note: bad replicas] (``[recover]``).
+        emergency_checkpoint: ``[recover] emergency_checkpoint`` ([Note: emergency checkpoint]).
     """
 
     def __init__(self, *, world, bucket_sync, policy: WorkloadPolicy, faults: FaultInjector,
@@ -100,7 +101,8 @@ class RecoverManager:
                  parameter_checksum: Callable[[], float] | None = None,
                  procs: Sequence[ProcessInfo] = (), die: Callable[[], None] | None = None,
                  counts_data: bool = True, respawn_after_steps: int = 0, joins=None,
-                 nonfinite_max_offences: int = 3, nonfinite_window_steps: int = 100):
+                 nonfinite_max_offences: int = 3, nonfinite_window_steps: int = 100,
+                 emergency_checkpoint: bool = True):
         self.world, self.bucket_sync, self.policy = world, bucket_sync, policy
         self.outputs, self.out_dir = outputs, Path(out_dir)
         self.tokens_per_microbatch = tokens_per_microbatch
@@ -134,6 +136,8 @@ class RecoverManager:
         self._contract_checked = False
         self._current_step = 0
         self._decided_at = 0.0
+        self.emergency_checkpoint = False  # [Note: emergency checkpoint]
+        self._emergency_on = emergency_checkpoint
         bucket_sync.on_bucket = self._bucket_point
         world.on_phase = self._consensus_point  # the consensus's stages are points of it
         world.on_failed = self._on_failed
@@ -152,6 +156,17 @@ class RecoverManager:
     def is_writer(self) -> bool:
         """[Note: the writer] (manager/writer.py)."""
         return self.writer.is_writer
+
+    def take_emergency_checkpoint(self) -> bool:
+        """[Note: emergency checkpoint] A host lost as a whole (every rank of it out of the
+        world at once: a crash, a cut link) is a failure PRRTE 3.0 does not survive: it ends
+        the job when it notices the lost daemon (``recover.daemon_keepalive_s`` after a cut).
+        So the step boundary after such a repair saves a checkpoint whatever the interval; a
+        relaunch ([Note: the relaunch tier], cli/relaunch.py) then redoes at most the steps
+        after it. True once per such repair; the same on every rank (the alive set and the
+        process table are agreed)."""
+        due, self.emergency_checkpoint = self.emergency_checkpoint, False
+        return due
 
     @property
     def saves_checkpoints(self) -> bool:
@@ -305,6 +320,8 @@ class RecoverManager:
         nobody died (a transient MPI error) keeps the plan: every bucket is reduced again."""
         if result.dead_replicas:
             state.plan = self.policy.replan(state.plan, result.dead_replicas)
+            emptied = self.processes.hosts_emptied()  # [Note: emergency checkpoint]
+            self.emergency_checkpoint |= self._emergency_on and bool(emptied)
         self.writer.refresh()
         self._compute_new_extras(step, work, state)
 

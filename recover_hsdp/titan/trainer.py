@@ -57,26 +57,37 @@ class ReplicaCheckpointer:
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
         inner = self._inner
-        if not inner._should_save(curr_step, last_step):
+        due = inner._should_save(curr_step, last_step)
+        emergency = self._manager.take_emergency_checkpoint() and inner.enable \
+            and not inner.load_only  # [Note: emergency checkpoint] (manager/manager.py)
+        if not (due or emergency):
             return
         if not (last_step and inner.last_save_model_only):  # the loader state goes in too
             source = inner.states["dataloader"]
             if source.gathers_state:
                 states = self._manager.gather_for_checkpoint(to_host(source.checkpoint_state()))
                 source.set_gathered(states.values())
-        self._manager.save_checkpoint(curr_step, lambda: self._save_here(curr_step, last_step))
+        self._manager.save_checkpoint(curr_step,
+                                      lambda: self._save_here(curr_step, last_step, due))
 
-    def _save_here(self, curr_step: int, last_step: bool) -> str | None:
-        """This rank's part of the saving replica's DCP save; None, or why it failed."""
+    def _save_here(self, curr_step: int, last_step: bool, due: bool) -> str | None:
+        """This rank's part of the saving replica's DCP save; None, or why it failed.
+        ``due``: False for an emergency save ([Note: emergency checkpoint] in
+        manager/manager.py), which TorchTitan's interval would skip."""
+        inner = self._inner
         with self._manager.world.watchdog_paused():
             # phase=checkpoint: in the save call of that step (choose a step a save is due)
             self._manager.checkpoint_point(curr_step)
+            interval = inner.interval
+            inner.interval = 1 if not due else interval  # the emergency save is due now
             try:
                 if self._manager.shard == 0:  # before any rank of the replica can write
-                    mark_incomplete(self._inner._create_checkpoint_id(curr_step))
-                self._inner.save(curr_step, last_step=last_step)
+                    mark_incomplete(inner._create_checkpoint_id(curr_step))
+                inner.save(curr_step, last_step=last_step)
             except Exception as err:  # noqa: BLE001 - agreed as not saved (or a peer died)
                 return f"checkpoint save: {one_line(err)}"
+            finally:
+                inner.interval = interval
         return None
 
     def __getattr__(self, name):

@@ -1,0 +1,246 @@
+"""The relaunch tier: a job the MPI runtime could not keep becomes a new job from a checkpoint.
+
+[Note: the relaunch tier] In-job repair (ULFM) survives what the runtime survives: process
+deaths, frozen ranks, replica-local errors, a cut link until PRRTE notices. PRRTE 3.0 ends the
+whole job when it loses a daemon (a host SIGKILLed or cut off; docs/ULFM_NOTES.md), and a death
+before the fault-tolerant world exists (MPI_Init, the bootstrap all-gather, the replica's
+rendezvous) ends it too. Those endings are "abnormal": mpirun returned and no summary.json with
+``completed`` was written. The launcher then
+
+1. finds the lost hosts (:func:`lost_hosts`): the hosts PRRTE names in its lost-daemon /
+   failed-daemon message, the hosts that did not answer the launcher's probe, the hosts where
+   every rank of the job was declared dead by the survivors (events.jsonl), and, for a job
+   that ended before its world was built, the hosts of ranks that died hard at start-up
+   ([Note: start-up records]). mpirun's own host is never "lost" (the launcher runs there);
+2. ends every process of the old job on every host that answers (procs.json and the start-up
+   records, pid + start time, over the agent mpirun itself uses: ``recover_hsdp.cli.hosts``);
+3. starts the job again (:func:`plan_relaunch`) on the hostfile's hosts minus the lost ones
+   (hosts of the hostfile the job did not use are standby hosts), with as many replicas as
+   fit (at most the original R), from the newest COMPLETE checkpoint (a ``step-N`` folder with
+   its ``.metadata``: :func:`newest_complete_checkpoint`); B is the checkpoint's (the policy
+   state is in it; G rises), and the data streams go on from the checkpoint's loader state;
+4. at most ``recover.max_relaunches`` times; every relaunch is a record in events.jsonl
+   (``phase: relaunch``) and in summary.json (``relaunches``): cause, lost hosts, steps lost,
+   seconds from the failure to training again. The outputs of an attempt are kept in
+   ``relaunch/attempt-<k>/`` and merged at the end (:func:`merge_steps`): every step appears
+   once, the steps after the checkpoint that the old job had done are replaced by the new
+   job's.
+
+This module is the decision logic only (plain Python, tested in-process with fakes); the
+launcher (``recover_hsdp.cli.launch``) does the I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+CHECKPOINT_FOLDER = re.compile(r"^step-(\d+)$")
+_DAEMON_HOST = (re.compile(r"Remote daemon:.*?on node\s+(\S+)"),  # lost communication with
+                re.compile(r"Remote host:\s+(\S+)"))               # failed to report back
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    """One line of an Open MPI hostfile: the name mpirun is given, its line, its slots."""
+
+    name: str
+    line: str
+    slots: int | None = None
+
+
+def parse_hostfile(text: str) -> list[HostEntry]:
+    """The hosts of an Open MPI hostfile, in order (comments dropped, ``slots=`` read)."""
+    entries = []
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        slots = next((int(w.split("=", 1)[1]) for w in words[1:]
+                      if w.startswith(("slots=", "max_slots=")) and w.split("=", 1)[1].isdigit()),
+                     None)
+        entries.append(HostEntry(words[0], line, slots))
+    return entries
+
+
+def newest_complete_checkpoint(folder: str | Path | None) -> int | None:
+    """The step of the newest ``step-N`` DCP folder that holds its ``.metadata`` (written
+    last by DCP: a folder without it is a save that did not finish), or None."""
+    if folder is None or not Path(folder).is_dir():
+        return None
+    steps = [int(m.group(1)) for p in Path(folder).iterdir()
+             if p.is_dir() and (m := CHECKPOINT_FOLDER.match(p.name))
+             and (p / ".metadata").is_file()]
+    return max(steps, default=None)
+
+
+def daemon_hosts(log_text: str) -> set[str]:
+    """Host names in PRRTE's "lost communication with a remote daemon" / "daemon failed to
+    report back" messages (the names the daemons gave, i.e. their host names)."""
+    return {m.group(1) for pattern in _DAEMON_HOST for m in pattern.finditer(log_text)}
+
+
+@dataclass
+class Evidence:
+    """What an attempt that ended abnormally left behind.
+
+    Args:
+        log_text: the tail of mpirun's output.
+        procs: procs.json as (host, pid, start) dicts, world rank order ([] if not written).
+        start_records: rank -> start-up record ([Note: start-up records]).
+        events: events.jsonl of the attempt.
+        unanswered: hostfile names that did not answer the launcher's probe.
+        aliases: hostfile name -> the host name its processes report (from the probe).
+        launcher_host: the host name of mpirun's host.
+        ranks_per_replica: S.
+    """
+
+    log_text: str = ""
+    procs: list[dict] = field(default_factory=list)
+    start_records: dict[int, dict] = field(default_factory=dict)
+    events: list[dict] = field(default_factory=list)
+    unanswered: set[str] = field(default_factory=set)
+    aliases: dict[str, str] = field(default_factory=dict)
+    launcher_host: str = ""
+    ranks_per_replica: int = 1
+
+
+def lost_hosts(hosts: list[str], ev: Evidence) -> dict[str, str]:
+    """hostfile name -> why it is lost ([Note: the relaunch tier], step 1)."""
+    name_of = {ev.aliases.get(h, h): h for h in hosts}  # reported host name -> hostfile name
+    name_of.update({h: h for h in hosts})
+    lost: dict[str, str] = {}
+
+    def mark(reported: str, cause: str) -> None:
+        host = name_of.get(reported)
+        if host is not None and ev.aliases.get(host, host) != ev.launcher_host \
+                and host != ev.launcher_host:
+            lost.setdefault(host, cause)
+
+    for host in ev.unanswered:
+        mark(host, "did not answer the launcher's probe")
+    for reported in sorted(daemon_hosts(ev.log_text)):
+        mark(reported, "PRRTE lost its daemon")
+    if ev.procs:
+        dead = {r for e in ev.events for r in e.get("dead_replicas") or []}
+        by_host: dict[str, set[int]] = {}
+        for rank, proc in enumerate(ev.procs):
+            by_host.setdefault(proc["host"], set()).add(rank // ev.ranks_per_replica)
+        for reported, replicas in sorted(by_host.items()):
+            if replicas <= dead:
+                mark(reported, "every rank on it was declared dead")
+    else:  # ended before the world was built
+        for rank, record in sorted(ev.start_records.items()):
+            if "exited" not in record:
+                mark(record["host"], f"rank {rank} died during start-up")
+    return lost
+
+
+def ends_the_same_way(start_records: dict[int, dict], progressed: bool,
+                      newly_lost: int) -> str | None:
+    """Why a relaunch would end the same way, or None: the attempt committed no step, lost no
+    host, and every rank left through a configuration error (exit code 2, one line on stderr).
+    Anything else before the first step (a crash inside MPI_Init, a start-up death) may be
+    transient: relaunched, within ``max_relaunches``."""
+    reasons = [r.get("exited", "") for r in start_records.values()]
+    if progressed or newly_lost or not reasons or \
+            not all(r.startswith("SystemExit: 2") for r in reasons):
+        return None
+    return ("every rank stopped on a configuration error before the first step (see the "
+            "log above): not relaunched")
+
+
+def replicas_that_fit(entries: list[HostEntry], ranks_per_replica: int, wanted: int,
+                      ranks_per_host: int | None) -> int:
+    """Replicas (of S ranks) that ``entries`` hold: ``ranks_per_host`` ranks on each host
+    (a ``--map-by ppr:K:node`` or GPU layout), else each host's ``slots`` (unset: as many as
+    asked, mpirun oversubscribes CPU hosts); at most ``wanted``."""
+    ranks = sum(ranks_per_host if ranks_per_host else (e.slots or wanted * ranks_per_replica)
+                for e in entries)
+    return min(wanted, ranks // ranks_per_replica)
+
+
+@dataclass
+class Plan:
+    """What the next attempt runs: on which hosts, how many replicas, from which step."""
+
+    hosts: list[HostEntry]
+    replicas: int
+    resume_step: int  # 0: from scratch
+
+
+def plan_relaunch(entries: list[HostEntry], lost: dict[str, str], ranks_per_replica: int,
+                  replicas: int, ranks_per_host: int | None, checkpoint_step: int | None,
+                  relaunches_done: int, max_relaunches: int,
+                  hopeless: str | None = None) -> Plan | str:
+    """The next attempt ([Note: the relaunch tier], step 3), or why there is none (one line).
+    ``hopeless``: :func:`ends_the_same_way`'s reason, if any."""
+    if relaunches_done >= max_relaunches:
+        return (f"the job ended abnormally and recover.max_relaunches={max_relaunches} "
+                "relaunch(es) are used up")
+    if hopeless:
+        return hopeless
+    left = [e for e in entries if e.name not in lost]
+    fit = replicas_that_fit(left, ranks_per_replica, replicas, ranks_per_host)
+    if fit < 1:
+        return (f"no host left for a replica of {ranks_per_replica} rank(s) (lost: "
+                f"{', '.join(sorted(lost)) or 'none'})")
+    return Plan(left, fit, checkpoint_step or 0)
+
+
+def ranks_per_host_of(mpi_args: list[str], gpus_per_node: int, ranks_per_gpu: int) -> int | None:
+    """Ranks mpirun puts on each host: ``--map-by ppr:K:node`` in the mpirun arguments, else
+    the GPU layout's G x K, else None (the hostfile's slots decide)."""
+    for index, arg in enumerate(mpi_args):
+        value = arg.split("=", 1)[1] if arg.startswith("--map-by=") else (
+            mpi_args[index + 1] if arg == "--map-by" and index + 1 < len(mpi_args) else None)
+        m = re.match(r"ppr:(\d+):node", value or "")
+        if m:
+            return int(m.group(1))
+    return gpus_per_node * ranks_per_gpu if gpus_per_node else None
+
+
+@dataclass
+class RelaunchRecord:
+    """One relaunch, as events.jsonl (``phase: relaunch``) and summary.json record it."""
+
+    attempt: int                  # the attempt that starts (1 = the first relaunch)
+    cause: str
+    lost_hosts: dict[str, str]
+    hosts: list[str]
+    replicas: int
+    resume_step: int
+    last_step: int                # the last step the ended attempt committed
+    steps_lost: int               # committed steps redone: last_step - resume_step
+    failure_at: float             # wall clock: first sign of the failure (detection or end)
+    ended_at: float               # mpirun of the ended attempt returned
+    relaunched_at: float          # the new mpirun started
+    training_again_at: float | None = None  # the new attempt committed its first step
+    failure_to_training_s: float | None = None
+
+    def event(self) -> dict:
+        return {"phase": "relaunch", "step": self.resume_step, "epoch": None, **asdict(self)}
+
+
+def failure_time(events: list[dict], ended_at: float, lost: set[str]) -> float:
+    """When the failure was first seen: the survivors' earliest detection of a death in the
+    ended attempt (``decided_at - detect_s``) when there is one, else mpirun's end."""
+    seen = [e["decided_at"] - e.get("detect_s", 0.0) for e in events
+            if e.get("dead_replicas") and "decided_at" in e]
+    return min([*seen, ended_at]) if lost or seen else ended_at
+
+
+def merge_steps(attempts: list[list[dict]], resumes: list[int], key: str = "step",
+                offset: int = 0) -> list[dict]:
+    """One record per step across attempts: attempt k's records up to ``resumes[k]`` (the step
+    the next attempt resumed from; the later steps it had done are redone), a later attempt's
+    record replacing an earlier one of the same step. ``offset``: 1 for the ledger (its
+    ``step`` is the 0-based iteration)."""
+    merged: dict[int, dict] = {}
+    for index, records in enumerate(attempts):
+        merged.update({r[key]: r for r in records})
+        if index < len(resumes):
+            merged = {k: r for k, r in merged.items() if k + offset <= resumes[index]}
+    return [merged[k] for k in sorted(merged)]

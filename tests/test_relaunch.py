@@ -1,0 +1,150 @@
+"""The relaunch tier on a 4-node namespace cluster (tests/netns_cluster.py): 3 replicas (one per
+node, nodes 0-2; node 3 stands by in the hostfile), exact mode, a checkpoint every 2 steps.
+What PRRTE 3.0 cannot survive ends the MPI job; ``recover-hsdp train`` relaunches it from the
+newest complete checkpoint on nodes 0, 1 and 3 ([Note: the relaunch tier]).
+
+Each case: exit 0, metrics steps 1..N once each, B every step (measured), the loss of the
+failure-free run within 1e-3, node 2 unused after the relaunch, the relaunch in events.jsonl
+and summary.json, nothing of the job alive on the nodes still reachable. ~45-70 s each here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from conftest import DEBUG_CONFIG, REPO, read_jsonl, run_cli
+from netns_cluster import NetnsCluster, skip_unless_available
+from test_node_loss import _finish, _names, _wait_for_step
+
+pytestmark = skip_unless_available()
+
+STEPS = 12
+REPLICAS = 3
+TRAIN = ["--training.steps", str(STEPS), "--recover.hang_timeout_s", "30",
+         "--checkpoint.enable", "--checkpoint.interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def failure_free_3x1(tmp_path_factory, local_corpus):
+    """The same 3 x 1 job on one host without a fault: the reference trajectory."""
+    root = tmp_path_factory.mktemp("ref3x1")
+    result = run_cli(["train", "--config", str(DEBUG_CONFIG), "--replicas", str(REPLICAS),
+                      "--out", str(root / "run"), "--", *TRAIN,
+                      "--checkpoint.folder", str(root / "ckpt")], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return read_jsonl(root / "run" / "metrics.jsonl")
+
+
+def _launch(cluster: NetnsCluster, root):
+    """``recover-hsdp train`` from node 0 with the cluster's 4-host hostfile, one rank per
+    node: 3 replicas on nodes 0-2, node 3 a standby host."""
+    out = root / "run"
+    mpi = [*cluster.mpirun_args(), "--map-by", "ppr:1:node"]
+    argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(DEBUG_CONFIG),
+            "--replicas", str(REPLICAS), "--out", str(out), "--end-grace", "10",
+            *[f"--mpi-arg={a}" for a in mpi], "--", *TRAIN,
+            "--checkpoint.folder", str(root / "ckpt")]
+    log = open(root / "run.log", "w")
+    proc = cluster.popen(0, argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                         stdout=log, stderr=log, cwd=str(REPO))
+    return out, proc, log
+
+
+def _kill_at_startup(cluster: NetnsCluster, out, proc, rank: int = 2, timeout: float = 120):
+    """SIGKILL ``rank`` as soon as its start-up record exists (right after MPI_Init, seconds
+    before the bootstrap all-gather and the fault-tolerant world)."""
+    path = out / "start" / f"rank{rank}.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            record = json.loads(path.read_text())
+            assert not (out / "procs.json").exists()   # the world is not built yet
+            os.kill(record["pid"], signal.SIGKILL)
+            return record
+        assert proc.poll() is None, "job ended before the start-up record"
+        time.sleep(0.05)
+    raise AssertionError("no start-up record")
+
+
+def _run(tmp_path, fault: str, salt: int):
+    root = tmp_path
+    prefix, subnet = _names(f"r{fault[0]}", salt)
+    with NetnsCluster(4, prefix=prefix, subnet=subnet) as cluster:
+        out, proc, log = _launch(cluster, root)
+        if fault == "startup":
+            _kill_at_startup(cluster, out, proc)
+        else:
+            _wait_for_step(out, 3, proc)
+            if fault == "link_down":
+                cluster.link_down(2)
+            else:
+                cluster.kill_node(2)   # every process of node 2, its prted included
+        rc, wall, _ = _finish(proc, out, timeout=400)
+        log.close()
+        text = (root / "run.log").read_text()
+        reachable = [cluster.names[i] for i in (0, 1, 3)]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            left = {n: p for n, p in cluster.leftover_pids().items() if n in reachable}
+            if not left:
+                break
+            time.sleep(0.5)
+        return out, rc, text, left, cluster.addrs[2], cluster.names[2]
+
+
+def _check(out, rc, text, left, lost_addr, lost_name, reference, startup=False):
+    assert rc == 0, text[-5000:]
+    steps = read_jsonl(out / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), text[-3000:]
+    assert all(s["reduced_microbatches"] == REPLICAS for s in steps), steps   # B, measured
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, reference)]
+    assert max(diffs) <= 1e-3, diffs
+    assert [s["step"] for s in read_jsonl(out / "ledger.jsonl")] == list(range(STEPS))
+    relaunches = [e for e in read_jsonl(out / "events.jsonl") if e.get("phase") == "relaunch"]
+    assert len(relaunches) == 1, relaunches
+    record = relaunches[0]
+    assert list(record["lost_hosts"]) == [lost_addr], record
+    assert lost_addr not in record["hosts"] and record["replicas"] == REPLICAS
+    assert record["failure_to_training_s"] is not None
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["attempts"] == 2 and summary["steps"] == STEPS
+    assert [r["attempt"] for r in summary["relaunches"]] == [1]
+    hosts = [p["host"] for p in json.loads((out / "procs.json").read_text())]
+    assert lost_name not in hosts and len(hosts) == REPLICAS, hosts   # the lost host unused
+    if startup:
+        assert record["resume_step"] == 0 and record["steps_lost"] == 0
+    else:
+        assert record["resume_step"] >= 2 and record["steps_lost"] <= 3, record
+    assert not left, left
+    print(f"relaunch: {record['cause']}; resumed from step {record['resume_step']}, "
+          f"{record['steps_lost']} step(s) redone, failure to training again "
+          f"{record['failure_to_training_s']:.1f} s")
+    return record
+
+
+def test_node_killed_with_its_daemon_is_relaunched(tmp_path, failure_free_3x1):
+    """Real process: node 2 SIGKILLed with its PRRTE daemon after step 3: PRRTE ends the job,
+    the launcher relaunches it without node 2, from the step-2 checkpoint, on the standby."""
+    _check(*_run(tmp_path, "kill", 41), failure_free_3x1)
+
+
+@pytest.mark.slow  # the in-process driver tests and the default suite's killed node show the path
+def test_cut_link_is_relaunched(tmp_path, failure_free_3x1):
+    """Real process: node 2's link cut after step 3 (no RST): the survivors repair in-job,
+    PRRTE gives up on its daemon after the keepalive (recover.daemon_keepalive_s), the
+    launcher relaunches without node 2."""
+    _check(*_run(tmp_path, "link_down", 43), failure_free_3x1)
+
+
+@pytest.mark.slow  # the in-process tests check the start-up evidence (lost_hosts)
+def test_death_before_the_world_is_built_is_relaunched(tmp_path, failure_free_3x1):
+    """Real process: rank 2 SIGKILLed right after MPI_Init, before the bootstrap: the others
+    fail in the bootstrap all-gather, the job ends; the launcher relaunches from scratch
+    without node 2 (its start-up record says its rank died hard)."""
+    _check(*_run(tmp_path, "startup", 47), failure_free_3x1, startup=True)

@@ -1,0 +1,289 @@
+"""The relaunch tier's decisions ([Note: the relaunch tier], recover_hsdp/cli/relaunch.py) and
+its driver (cli/attempts.py) in-process: fake attempts instead of mpirun, fake hosts instead
+of the agent. The real jobs are in tests/test_relaunch.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from recover_hsdp.cli import attempts, relaunch
+from recover_hsdp.cli import hosts as remote
+from recover_hsdp.cli.hosts import ssh_agent
+from recover_hsdp.cli.relaunch import (Evidence, HostEntry, daemon_hosts, ends_the_same_way,
+                                       lost_hosts, merge_steps,
+                                       newest_complete_checkpoint, parse_hostfile, plan_relaunch,
+                                       ranks_per_host_of)
+
+LOST_DAEMON = """--------------------------------------------------------------------------
+PRTE has lost communication with a remote daemon.
+
+  HNP daemon   : [prterun-rh22bn0-2744@0,0] on node rh22bn0
+  Remote daemon: [prterun-rh22bn0-2744@0,2] on node rh22bn2
+
+This is usually due to either a failure of the TCP network
+"""
+FAILED_DAEMON = """A daemon failed to report back after being spawned. ...
+  Local host:    rh22bn0
+  Remote host:   rh22bn2
+  Daemon exit status: 0
+"""
+HOSTS = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]
+ALIASES = {h: f"n{i}" for i, h in enumerate(HOSTS)}
+
+
+def test_hostfile_checkpoints_and_prrte_messages(tmp_path):
+    entries = parse_hostfile("# cluster\nnodeA slots=4\n\nnodeB  # standby\nnodeC max_slots=2\n")
+    assert [(e.name, e.slots) for e in entries] == [("nodeA", 4), ("nodeB", None), ("nodeC", 2)]
+    for step, complete in ((2, True), (4, True), (6, False)):   # step-6: a save cut short
+        (tmp_path / f"step-{step}").mkdir()
+        if complete:
+            (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"x")
+    (tmp_path / "step-9.tmp").mkdir()
+    assert newest_complete_checkpoint(tmp_path) == 4
+    assert newest_complete_checkpoint(tmp_path / "missing") is None
+    assert newest_complete_checkpoint(None) is None
+    assert daemon_hosts(LOST_DAEMON) == {"rh22bn2"}
+    assert daemon_hosts(FAILED_DAEMON) == {"rh22bn2"}
+    assert daemon_hosts("step 3 loss 8.0") == set()
+
+
+def _procs(hosts):
+    return [{"host": h, "pid": 100 + i, "start": 7} for i, h in enumerate(hosts)]
+
+
+def test_lost_hosts_from_every_kind_of_evidence():
+    base = dict(aliases=ALIASES, launcher_host="n0", ranks_per_replica=1)
+    daemon = Evidence(log_text=LOST_DAEMON.replace("rh22bn2", "n2"),
+                      procs=_procs(["n0", "n1", "n2"]), **base)
+    assert lost_hosts(HOSTS, daemon) == {"10.0.0.3": "PRRTE lost its daemon"}
+    dead = Evidence(procs=_procs(["n0", "n1", "n2"]), events=[{"dead_replicas": [1]}], **base)
+    assert lost_hosts(HOSTS, dead) == {"10.0.0.2": "every rank on it was declared dead"}
+    # a 2 x 2 job with replica 1 across n1 and n2: one dead replica loses both hosts' ranks
+    split = Evidence(procs=_procs(["n0", "n0", "n1", "n2"]), events=[{"dead_replicas": [1]}],
+                     **{**base, "ranks_per_replica": 2})
+    assert set(lost_hosts(HOSTS, split)) == {"10.0.0.2", "10.0.0.3"}
+    startup = Evidence(start_records={0: {"host": "n0", "pid": 1, "start": 1, "exited": "x"},
+                                      1: {"host": "n1", "pid": 2, "start": 1, "exited": "x"},
+                                      2: {"host": "n2", "pid": 3, "start": 1}}, **base)
+    assert lost_hosts(HOSTS, startup) == {"10.0.0.3": "rank 2 died during start-up"}
+    quiet = Evidence(unanswered={"10.0.0.4"}, procs=_procs(["n0", "n1", "n2"]), **base)
+    assert lost_hosts(HOSTS, quiet) == {"10.0.0.4": "did not answer the launcher's probe"}
+    # mpirun's own host is never lost: the launcher runs there
+    own = Evidence(procs=_procs(["n0", "n1"]), events=[{"dead_replicas": [0]}], **base)
+    assert lost_hosts(HOSTS, own) == {}
+
+
+def test_plan_uses_standby_hosts_keeps_replicas_that_fit_and_is_bounded():
+    entries = [HostEntry(h, f"{h} slots=8", 8) for h in HOSTS]
+    lost = {"10.0.0.3": "PRRTE lost its daemon"}
+    plan = plan_relaunch(entries, lost, 1, 3, 1, 4, 0, 2)   # ppr:1:node, standby 10.0.0.4
+    assert [e.name for e in plan.hosts] == ["10.0.0.1", "10.0.0.2", "10.0.0.4"]
+    assert (plan.replicas, plan.resume_step) == (3, 4)
+    two = plan_relaunch(entries[:3], lost, 1, 3, 1, None, 1, 2)  # no standby, no checkpoint
+    assert (two.replicas, two.resume_step) == (2, 0)
+    assert "used up" in plan_relaunch(entries, lost, 1, 3, 1, 4, 2, 2)
+    assert "no host left" in plan_relaunch(entries[:1], {"10.0.0.1": "x"}, 1, 3, 1, 4, 0, 2)
+    assert plan_relaunch(entries, {}, 1, 3, 1, None, 0, 2, hopeless="x") == "x"
+    config = {r: {"host": "n0", "exited": "SystemExit: 2"} for r in range(3)}
+    assert "configuration error" in ends_the_same_way(config, False, 0)
+    assert ends_the_same_way(config, True, 0) is None          # it trained: relaunch
+    crashed = {**config, 1: {"host": "n1"}}                     # a rank crashed: relaunch
+    assert ends_the_same_way(crashed, False, 0) is None
+    assert ends_the_same_way({}, False, 0) is None             # died inside MPI_Init: relaunch
+    one_host = [HostEntry("me", "me")]              # no hostfile: mpirun oversubscribes
+    assert plan_relaunch(one_host, {}, 2, 3, None, 0, 0, 1).replicas == 3
+    # slots decide without a ppr mapping: 2 + 2 ranks = 2 replicas of 2
+    slots = [HostEntry("a", "a slots=2", 2), HostEntry("b", "b slots=2", 2)]
+    assert plan_relaunch(slots, {}, 2, 3, None, 0, 0, 1).replicas == 2
+    assert ranks_per_host_of(["--map-by", "ppr:2:node"], 0, 1) == 2
+    assert ranks_per_host_of(["--map-by=ppr:3:node"], 0, 1) == 3
+    assert ranks_per_host_of(["--map-by", "slot"], 4, 2) == 8
+    assert ranks_per_host_of([], 0, 1) is None
+
+
+def test_merge_keeps_every_step_once():
+    first = [{"step": s, "loss": s, "a": 0} for s in range(1, 7)]      # died after step 6
+    second = [{"step": s, "loss": s, "a": 1} for s in range(5, 9)]     # resumed from step 4
+    third = [{"step": s, "loss": s, "a": 2} for s in range(9, 11)]     # resumed from step 8
+    merged = merge_steps([first, second, third], [4, 8])
+    assert [r["step"] for r in merged] == list(range(1, 11))
+    assert [r["a"] for r in merged] == [0] * 4 + [1] * 4 + [2] * 2
+    ledger = merge_steps([[{"step": s} for s in range(0, 6)], [{"step": s} for s in (4, 5)]],
+                         [4], offset=1)
+    assert [r["step"] for r in ledger] == [0, 1, 2, 3, 4, 5]
+
+
+def test_agent_is_the_one_mpirun_uses():
+    assert ssh_agent(["--prtemca", "plm_ssh_agent", "/x/agent.sh", "--map-by", "node"]) == \
+        ["/x/agent.sh"]
+    assert ssh_agent([], environ={}) == ["ssh"]
+    assert ssh_agent([], environ={"PRTE_MCA_plm_ssh_agent": "rsh : ssh"}) == ["rsh"]
+
+
+class FakeJob:
+    """Attempt k of a job: writes the outputs an mpirun attempt would have written."""
+
+    def __init__(self, out: Path, ckpt: Path, script):
+        self.out, self.ckpt, self.script, self.commands = out, ckpt, script, []
+
+    def build_job(self, args):
+        if args.replicas < 1:
+            from recover_hsdp.config import ConfigError
+            raise ConfigError("bad")
+        job = argparse.Namespace(
+            recover=argparse.Namespace(max_relaunches=2, ranks_per_replica=1),
+            parallelism=argparse.Namespace(tensor_parallel_degree=1),
+            training=argparse.Namespace(global_batch_size=-1, local_batch_size=2),
+            checkpoint=argparse.Namespace(enable=True, folder=str(self.ckpt)),
+            job=argparse.Namespace(dump_folder=str(self.out)))
+        self.commands.append(args)
+        return ["fake"], self.out, job
+
+    def supervise(self, command, env, out, grace, tail=None, on_poll=None):
+        args = self.commands[-1]
+        steps, log, procs, summary = self.script[len(self.commands) - 1](args)
+        (out / "procs.json").write_text(json.dumps(procs))
+        with open(out / "metrics.jsonl", "w") as f:
+            for step in steps:
+                f.write(json.dumps({"step": step, "loss": float(step),
+                                    "alive_replicas": args.replicas}) + "\n")
+                f.flush()
+                if on_poll:
+                    on_poll()
+                if step % 4 == 0:
+                    (self.ckpt / f"step-{step}").mkdir(parents=True, exist_ok=True)
+                    (self.ckpt / f"step-{step}" / ".metadata").write_text("m")
+        (out / "ledger.jsonl").write_text("".join(json.dumps({"step": s - 1}) + "\n"
+                                                  for s in steps))
+        if summary:
+            (out / "summary.json").write_text(json.dumps({"completed": True, "steps": len(steps),
+                                                          "final_loss": 1.0, "tokens_per_s": 1,
+                                                          "wall_s": 1}))
+        tail.extend(log.splitlines(True))
+        return 0
+
+
+def test_driver_relaunches_from_the_newest_complete_checkpoint(tmp_path, monkeypatch):
+    """A lost daemon after step 6 (checkpoint 4 complete): the next attempt runs on the other
+    hosts plus the standby one, from step 4, the old job's processes ended on the hosts that
+    answer; the outputs read as one run with the relaunch recorded."""
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    out.mkdir()
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{h} slots=8\n" for h in HOSTS))
+    killed = {}
+    monkeypatch.setattr(remote, "host_names", lambda agent, hosts, timeout=0: dict(ALIASES))
+    monkeypatch.setattr(remote, "kill_remote", lambda agent, by_host, timeout=0:
+                        killed.update(by_host) or {h: [p for p, _ in v] for h, v in by_host.items()})
+    monkeypatch.setattr(attempts.socket, "gethostname", lambda: "n0")
+    lost_daemon = LOST_DAEMON.replace("rh22bn2", "n2")
+    job = FakeJob(out, ckpt, [
+        lambda a: (range(1, 7), lost_daemon, _procs(["n0", "n1", "n2"]), False),
+        lambda a: (range(5, 11), "", _procs(["n0", "n1", "n3"]), True)])
+    args = argparse.Namespace(
+        replicas=3, ranks_per_replica=None, gpus_per_node=0, ranks_per_gpu=1, hostfile=None,
+        mpi_arg=["--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent", "/agent",
+                 "--map-by", "ppr:1:node"],
+        fault=["replica=2,step=3,phase=forward"], overrides=["--training.steps", "10"],
+        end_grace=1.0)
+    attempts.train_with_relaunch(args, job.build_job, job.supervise, {})
+    second = job.commands[1]
+    assert second.replicas == 3 and second.fault == []
+    assert second.overrides[-2:] == ["--checkpoint.load_step", "4"]
+    assert Path(second.hostfile).read_text().split() == [
+        "10.0.0.1", "slots=8", "10.0.0.2", "slots=8", "10.0.0.4", "slots=8"]
+    assert "--hostfile" not in second.mpi_arg
+    assert set(killed) == {"10.0.0.1", "10.0.0.2", "10.0.0.3"}    # every host that answers
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 11))
+    assert [m["alive_replicas"] for m in metrics] == [3] * 10
+    ledger = [json.loads(x)["step"] for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert ledger == list(range(10))
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    (record,) = [e for e in events if e.get("phase") == "relaunch"]
+    assert record["lost_hosts"] == {"10.0.0.3": "PRRTE lost its daemon"}
+    assert (record["resume_step"], record["last_step"], record["steps_lost"]) == (4, 6, 2)
+    assert record["failure_to_training_s"] is not None and record["failure_to_training_s"] >= 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["attempts"] == 2
+    assert [r["attempt"] for r in summary["relaunches"]] == [1]
+    assert (out / "relaunch" / "attempt-0" / "mpirun-tail.log").read_text() == lost_daemon
+
+
+def test_driver_gives_up_after_max_relaunches(tmp_path, monkeypatch, capsys):
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    out.mkdir()
+    monkeypatch.setattr(remote, "host_names", lambda agent, hosts, timeout=0:
+                        {h: h for h in hosts})
+    monkeypatch.setattr(remote, "kill_remote", lambda agent, by_host, timeout=0: {})
+    job = FakeJob(out, ckpt, [lambda a: (range(1, 3), "", [], False)] * 3)
+    args = argparse.Namespace(
+        replicas=2, ranks_per_replica=None, gpus_per_node=0, ranks_per_gpu=1, hostfile=None,
+        mpi_arg=[], fault=[], overrides=[], end_grace=1.0)
+    attempts.train_with_relaunch(args, job.build_job, job.supervise, {})
+    assert len(job.commands) == 3                    # the first attempt + max_relaunches = 2
+    assert "used up" in capsys.readouterr().err
+    assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("max_relaunches", -1, "recover.max_relaunches=-1"),
+    ("daemon_keepalive_s", 0.5, "recover.daemon_keepalive_s=0.5")])
+def test_bad_relaunch_fields_are_one_line(field, value, words):
+    from recover_hsdp.config import ConfigError, Recover, _check_relaunch_fields
+
+    rc = Recover(enable=True)
+    setattr(rc, field, value)
+    with pytest.raises(ConfigError) as err:
+        _check_relaunch_fields(rc)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_emergency_checkpoint_after_a_whole_host_is_lost():
+    """[Note: emergency checkpoint]: a repair that empties a host makes the next step boundary
+    save whatever the interval, once; a lost replica whose host keeps others does not."""
+    from types import SimpleNamespace
+
+    from recover_hsdp.collectives.processes import ProcessInfo
+    from recover_hsdp.manager.local_processes import LocalProcesses
+    from recover_hsdp.titan.trainer import ReplicaCheckpointer
+
+    alive = [0, 1, 2, 3]
+    world = SimpleNamespace(layout=SimpleNamespace(alive_ranks=lambda: list(alive)))
+    table = [ProcessInfo(h, 10 + i, 1) for i, h in enumerate(["a", "a", "b", "c"])]
+    processes = LocalProcesses(world, table)
+    assert processes.hosts_emptied() == set()
+    alive[:] = [0, 2, 3]            # rank 1 dies, host a keeps rank 0
+    assert processes.hosts_emptied() == set()
+    alive[:] = [0, 3]               # host b lost as a whole
+    assert processes.hosts_emptied() == {"b"}
+    assert processes.hosts_emptied() == set()   # once
+
+    saved = []
+
+    class Inner:
+        enable, load_only, interval, last_save_model_only = True, False, 100, True
+        states = {"dataloader": SimpleNamespace(gathers_state=False)}
+
+        def _should_save(self, step, last_step=False):
+            return last_step or step % self.interval == 0
+
+        def save(self, step, last_step=False):
+            if self._should_save(step, last_step):
+                saved.append(step)
+
+    import contextlib
+
+    flags = [False, True, False]
+    manager = SimpleNamespace(
+        take_emergency_checkpoint=lambda: flags.pop(0), saves_checkpoints=True,
+        world=SimpleNamespace(watchdog_paused=contextlib.nullcontext),
+        checkpoint_point=lambda step: None)
+    checkpointer = ReplicaCheckpointer(Inner(), manager)
+    for step in (3, 4, 5):
+        checkpointer.save(step)
+    assert saved == [4] and checkpointer.interval == 100
