@@ -276,13 +276,17 @@ def test_emergency_checkpoint_after_a_whole_host_is_lost():
             if self._should_save(step, last_step):
                 saved.append(step)
 
+        def _create_checkpoint_id(self, step):
+            return f"/nonexistent/step-{step}"
+
     import contextlib
 
     flags = [False, True, False]
     manager = SimpleNamespace(
-        take_emergency_checkpoint=lambda: flags.pop(0), saves_checkpoints=True,
+        take_emergency_checkpoint=lambda: flags.pop(0), saves_checkpoints=True, shard=0,
         world=SimpleNamespace(watchdog_paused=contextlib.nullcontext),
-        checkpoint_point=lambda step: None)
+        checkpoint_point=lambda step: None,
+        save_checkpoint=lambda step, save: save() is None)  # the agreement: one replica
     checkpointer = ReplicaCheckpointer(Inner(), manager)
     for step in (3, 4, 5):
         checkpointer.save(step)
