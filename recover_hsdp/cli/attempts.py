@@ -14,6 +14,7 @@ import argparse
 import collections
 import copy
 import json
+import os
 import shutil
 import socket
 import sys
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 from recover_hsdp.cli import hosts as remote
-from recover_hsdp.cli import relaunch
+from recover_hsdp.cli import relaunch, slurm
 from recover_hsdp.collectives.processes import read_registry, read_start_records
 from recover_hsdp.config import ConfigError, data_ranks_per_replica
 from recover_hsdp.outputs import clear_run_files
@@ -72,6 +73,11 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
     """Run ``recover-hsdp train`` attempts until one completes ([Note: the relaunch tier]).
     Returns the launcher's exit code."""
     hostfile_in_mpi_args(args)
+    if args.hostfile is None and slurm.in_allocation():  # [Note: Slurm allocations]
+        args.out = str(Path(args.out or Path("outputs") / Path(args.config).stem).resolve())
+        args.hostfile = str(slurm.write_allocation_hostfile(Path(args.out)))
+        print(f"recover-hsdp: Slurm allocation {os.environ.get('SLURM_JOB_ID', '?')}: its nodes "
+              f"in {args.hostfile}", flush=True)
     command, out, job = build_job(args)
     rc = job.recover
     entries = (relaunch.parse_hostfile(Path(args.hostfile).read_text()) if args.hostfile

@@ -15,16 +15,29 @@ import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
+from recover_hsdp.cli import slurm
+
 PROBE_TIMEOUT_S = 10.0
 
 
 def ssh_agent(mpi_args: list[str], environ=os.environ) -> list[str]:
     """The agent command mpirun uses: ``--prtemca plm_ssh_agent A`` in the mpirun arguments,
-    else ``PRTE_MCA_plm_ssh_agent``, else ``ssh`` (PRRTE's default)."""
+    else ``PRTE_MCA_plm_ssh_agent``, else inside a Slurm allocation ``srun`` on one node
+    ([Note: Slurm allocations] in cli/slurm.py), else ``ssh`` (PRRTE's default)."""
     for index, arg in enumerate(mpi_args[:-2]):
         if arg in ("--prtemca", "--mca") and mpi_args[index + 1] == "plm_ssh_agent":
             return shlex.split(mpi_args[index + 2])
+    if "PRTE_MCA_plm_ssh_agent" not in environ and slurm.in_allocation(environ):
+        return list(slurm.SRUN_AGENT)
     return shlex.split(environ.get("PRTE_MCA_plm_ssh_agent", "ssh").split(":")[0])
+
+
+def agent_argv(agent: list[str], host: str, command: str) -> list[str]:
+    """The command line that runs the shell ``command`` on ``host`` through ``agent`` (ssh
+    hands a string to the remote shell; srun runs an argv)."""
+    if os.path.basename(agent[0]) == "srun":
+        return [*agent, host, "sh", "-c", command]
+    return [*agent, host, command]
 
 
 def _remote(agent: list[str], host: str, command: str, timeout: float) -> str | None:
@@ -32,7 +45,7 @@ def _remote(agent: list[str], host: str, command: str, timeout: float) -> str | 
     if host in ("localhost", "127.0.0.1", socket.gethostname()):
         argv = ["sh", "-c", command]
     else:
-        argv = [*agent, host, command]
+        argv = agent_argv(agent, host, command)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
