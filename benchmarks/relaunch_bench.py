@@ -1,7 +1,7 @@
 """The relaunch tier vs a checkpoint-restart by hand, for the failures PRRTE 3.0 cannot survive.
 
     python benchmarks/relaunch_bench.py [--repeats 1] [--faults link_down,kill_node]
-        [--steps 16] [--interval 4] [--keepalive 5]
+        [--steps 16] [--interval 4] [--keepalive 30]
 
 On a 4-node namespace cluster (tests/netns_cluster.py; needs root) a 3 x 1 job (nodes 0-2,
 node 3 standing by in the hostfile, exact mode, a DCP checkpoint every ``--interval`` steps)
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--faults", default="link_down,kill_node")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--interval", type=int, default=4)
-    parser.add_argument("--keepalive", type=float, default=5.0)
+    parser.add_argument("--keepalive", type=float, default=30.0)
     args = parser.parse_args()
     runs = []
     salt = 0

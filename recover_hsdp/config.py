@@ -190,14 +190,17 @@ class Recover:
     lost ones (plus the hostfile's unused hosts), with as many replicas as fit and B unchanged.
     0: off (the job's abnormal end is the launcher's error). Launch-time setting. >= 0."""
 
-    daemon_keepalive_s: float = 5.0
-    """Idle seconds before PRRTE's TCP keepalive probes a daemon's connection (then 2 probes
-    1 s apart: ``--prtemca oob_tcp_keepalive_time/intvl/probes``). PRRTE ends the job when it
-    loses a daemon; a cut-off host is only noticed through this keepalive: measured on the
-    namespace cluster, a cut link ended the job 6.4 s after the cut at 5 s, 488 s after at
-    PRRTE's defaults (300 s + 9 x 20 s), a relaunch then redoing minutes of steps. A live host's
-    kernel answers the probes even while its daemon is busy. 0: PRRTE's defaults (the in-job
-    tier then trains on with the survivors until PRRTE notices). Launch-time setting."""
+    daemon_keepalive_s: float = 30.0
+    """The earliest PRRTE may give up on a cut-off host's daemon (TCP keepalive: 5 s idle, then 3
+    probes this / 3 apart: ``--prtemca oob_tcp_keepalive_time/intvl/probes``); PRRTE 3.0 then
+    ends the job, between this and this + 5 s after the cut. Until then the in-job tier trains
+    on, the survivors save an emergency checkpoint and the launcher, finding the host silent,
+    ends the job itself and relaunches from it, redoing no step ([Note: emergency checkpoint]
+    in manager/manager.py). So this must exceed detect_timeout_s + a step + the save + the
+    launcher's probe (10 s): raise it for large checkpoints. Measured before on the namespace
+    cluster: 5 s idle + 2 x 1 s ended the job 2-7 s after a cut (before the checkpoint in most
+    runs); PRRTE's defaults (300 s + 9 x 20 s) 488 s after. A live host's kernel answers the
+    probes even while its daemon is busy. 0: PRRTE's defaults. Launch-time setting."""
 
     emergency_checkpoint: bool = True
     """After a repair that took every rank of a host out of the world (a crash, a cut link:

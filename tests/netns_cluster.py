@@ -66,6 +66,17 @@ case "$host" in
 {cases}
   *) echo "netns agent: unknown host $host" >&2; exit 255 ;;
 esac
+# like ssh, only over the network: a host whose link is down does not answer (a TCP connect to a
+# closed port is refused at once by a live host, times out on a cut one)
+{python} -c '
+import socket, sys
+s = socket.socket(); s.settimeout(3)
+try:
+    s.connect((sys.argv[1], 9))
+except ConnectionRefusedError:
+    pass
+except OSError:
+    sys.exit(1)' "$addr" || {{ echo "netns agent: $host: no answer over the network" >&2; exit 255; }}
 {launch}
 """
 _ATTACHED = """exec ip netns exec "$ns" unshare --uts -- sh -c 'hostname "$0"; exec sh -c "$1"' "$ns" "$*" """
@@ -184,9 +195,10 @@ class NetnsCluster:
             _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-        cases = "\n".join(f'  {a}|{n}) ns={n} ;;' for a, n in zip(self.addrs, self.names))
+        cases = "\n".join(f'  {a}|{n}) ns={n}; addr={a} ;;' for a, n in zip(self.addrs, self.names))
         self.agent.write_text(_AGENT.format(
-            cases=cases, launch=_DETACHED if self.detach_daemons else _ATTACHED))
+            cases=cases, python=shlex.quote(sys.executable),
+            launch=_DETACHED if self.detach_daemons else _ATTACHED))
         self.agent.chmod(self.agent.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         self.hostfile.write_text("".join(f"{a} slots={self.slots}\n" for a in self.addrs))
         self.wait_connected()

@@ -98,7 +98,7 @@ def _run(tmp_path, fault: str, salt: int):
         return out, rc, text, left, cluster.addrs[2], cluster.names[2]
 
 
-def _check(out, rc, text, left, lost_addr, lost_name, reference, startup=False):
+def _check(out, rc, text, left, lost_addr, lost_name, reference, startup=False, lossless=False):
     assert rc == 0, text[-5000:]
     steps = read_jsonl(out / "metrics.jsonl")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), text[-3000:]
@@ -119,6 +119,9 @@ def _check(out, rc, text, left, lost_addr, lost_name, reference, startup=False):
     assert lost_name not in hosts and len(hosts) == REPLICAS, hosts   # the lost host unused
     if startup:
         assert record["resume_step"] == 0 and record["steps_lost"] == 0
+    elif lossless:   # [Note: emergency checkpoint]: saved after the repair, relaunched from it
+        assert record["resume_step"] >= 3 and record["steps_lost"] == 0, record
+        assert "emergency checkpoint" in text, text[-3000:]
     else:
         assert record["resume_step"] >= 2 and record["steps_lost"] <= 3, record
     assert not left, left
@@ -136,10 +139,11 @@ def test_node_killed_with_its_daemon_is_relaunched(tmp_path, failure_free_3x1):
 
 @pytest.mark.slow  # the in-process driver tests and the default suite's killed node show the path
 def test_cut_link_is_relaunched(tmp_path, failure_free_3x1):
-    """Real process: node 2's link cut after step 3 (no RST): the survivors repair in-job,
-    PRRTE gives up on its daemon after the keepalive (recover.daemon_keepalive_s), the
-    launcher relaunches without node 2."""
-    _check(*_run(tmp_path, "link_down", 43), failure_free_3x1)
+    """Real process: node 2's link cut after step 3 (no RST): the survivors repair in-job and
+    save an emergency checkpoint at the next step boundary; the launcher finds node 2 silent,
+    ends the job before PRRTE would (recover.daemon_keepalive_s) and relaunches without node 2
+    from that checkpoint: no step redone."""
+    _check(*_run(tmp_path, "link_down", 43), failure_free_3x1, lossless=True)
 
 
 @pytest.mark.slow  # the in-process tests check the start-up evidence (lost_hosts)

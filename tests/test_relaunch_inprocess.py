@@ -143,7 +143,7 @@ class FakeJob:
         self.commands.append(args)
         return ["fake"], self.out, job
 
-    def supervise(self, command, env, out, grace, tail=None, on_poll=None):
+    def supervise(self, command, env, out, grace, tail=None, on_poll=None, should_end=None):
         args = self.commands[-1]
         steps, log, procs, summary = self.script[len(self.commands) - 1](args)
         (out / "procs.json").write_text(json.dumps(procs))
@@ -286,8 +286,34 @@ def test_emergency_checkpoint_after_a_whole_host_is_lost():
         take_emergency_checkpoint=lambda: flags.pop(0), saves_checkpoints=True, shard=0,
         world=SimpleNamespace(watchdog_paused=contextlib.nullcontext),
         checkpoint_point=lambda step: None,
-        save_checkpoint=lambda step, save: save() is None)  # the agreement: one replica
+        save_checkpoint=lambda step, save: save() is None,  # the agreement: one replica
+        emergency_checkpoint_saved=lambda step: told.append(step))
+    told = []
     checkpointer = ReplicaCheckpointer(Inner(), manager)
     for step in (3, 4, 5):
         checkpointer.save(step)
     assert saved == [4] and checkpointer.interval == 100
+    assert told == [4]          # the launcher is told of the emergency checkpoint only
+
+
+def test_relaunch_request_ends_the_job_only_when_a_host_is_silent(tmp_path, monkeypatch):
+    """[Note: emergency checkpoint]: after the writer's request the launcher asks the hosts;
+    all answer -> the verdict "go on" for that step; one silent -> end mpirun (a reason)."""
+    import time
+
+    from recover_hsdp.cli import attempts
+    from recover_hsdp.outputs import RELAUNCH_REQUEST, RELAUNCH_VERDICT, write_json_atomic
+
+    answers = {"a": "a", "b": "b"}
+    monkeypatch.setattr(attempts.remote, "host_names", lambda agent, hosts: dict(answers))
+    request = attempts.RelaunchRequest(tmp_path, ["ssh"], ["a", "b"])
+    assert request.check() is None                                  # no request yet
+    write_json_atomic(tmp_path / RELAUNCH_REQUEST, {"step": 5, "hosts": ["b"]})
+    assert request.check() is None                                  # every host answers
+    assert json.loads((tmp_path / RELAUNCH_VERDICT).read_text()) == {"step": 5, "go_on": True}
+    time.sleep(0.01)
+    answers["b"] = None
+    write_json_atomic(tmp_path / RELAUNCH_REQUEST, {"step": 9, "hosts": ["b"]})
+    reason = request.check()
+    assert reason is not None and "b lost" in reason and "step 9" in reason
+    assert request.check() is None                                  # asked once per request

@@ -25,7 +25,8 @@ from recover_hsdp.cli import hosts as remote
 from recover_hsdp.cli import relaunch, slurm
 from recover_hsdp.collectives.processes import read_registry, read_start_records
 from recover_hsdp.config import ConfigError, data_ranks_per_replica
-from recover_hsdp.outputs import clear_run_files
+from recover_hsdp.outputs import (RELAUNCH_REQUEST, RELAUNCH_VERDICT, SUPERVISED_ENV,
+                                  clear_run_files, write_json_atomic)
 
 RELAUNCH_DIR = "relaunch"
 MOVED = ("metrics.jsonl", "events.jsonl", "ledger.jsonl", "faults_fired.jsonl", "summary.json",
@@ -73,6 +74,7 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
     """Run ``recover-hsdp train`` attempts until one completes ([Note: the relaunch tier]).
     Returns the launcher's exit code."""
     hostfile_in_mpi_args(args)
+    os.environ[SUPERVISED_ENV] = "1"  # exported to the ranks: [Note: emergency checkpoint]
     if args.hostfile is None and slurm.in_allocation():  # [Note: Slurm allocations]
         args.out = str(Path(args.out or Path("outputs") / Path(args.config).stem).resolve())
         args.hostfile = str(slurm.write_allocation_hostfile(Path(args.out)))
@@ -111,7 +113,9 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
                     (out / "metrics.jsonl").stat().st_size > 0:
                 first_step.append(time.time())
 
-        returncode = supervise(command, env, out, args.end_grace, tail=tail, on_poll=watch)
+        request = RelaunchRequest(out, agent, [e.name for e in entries])
+        returncode = supervise(command, env, out, args.end_grace, tail=tail, on_poll=watch,
+                               should_end=request.check)
         ended_at = time.time()
         if records:
             _training_again(records[-1], first_step)
@@ -173,6 +177,38 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
     if records:
         _merge(out, records)
     return returncode
+
+
+class RelaunchRequest:
+    """The writer's word that an emergency checkpoint is complete ([Note: emergency checkpoint]
+    in manager/manager.py): if a host of the job then does not answer the agent, PRRTE will end
+    the job when it notices the lost daemon (``daemon_keepalive_s`` later), so the launcher ends
+    it now and relaunches from that checkpoint, redoing no step. A host that answers (its ranks
+    died, its daemon lives) leaves the in-job tier to carry on."""
+
+    def __init__(self, out: Path, agent: list[str], hosts: list[str]) -> None:
+        self.path, self.agent, self.hosts = out / RELAUNCH_REQUEST, agent, hosts
+        self.verdict = out / RELAUNCH_VERDICT
+        for path in (self.path, self.verdict):
+            path.unlink(missing_ok=True)  # an earlier attempt's
+        self._seen: float | None = None
+
+    def check(self) -> str | None:
+        try:
+            mtime = self.path.stat().st_mtime
+            if mtime == self._seen:
+                return None
+            request = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        self._seen = mtime
+        silent = [h for h, name in remote.host_names(self.agent, self.hosts).items()
+                  if name is None]
+        if not silent:  # its ranks died, its daemon lives: the in-job tier carries on
+            write_json_atomic(self.verdict, {"step": request["step"], "go_on": True})
+            return None
+        return (f"host(s) {', '.join(silent)} lost (no answer) after step {request['step']}'s "
+                "emergency checkpoint: ending the job to relaunch from it")
 
 
 def _training_again(record: relaunch.RelaunchRecord, first_step: list[float]) -> None:

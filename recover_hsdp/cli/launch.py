@@ -217,7 +217,7 @@ def _master_addr(args: argparse.Namespace) -> str:
 
 
 def supervise(command: list[str], env: dict, out: Path, end_grace_s: float,
-              tail=None, on_poll=None) -> int:
+              tail=None, on_poll=None, should_end=None) -> int:
     """Run the job and make sure it ends: [Note: nothing left behind]
     (``recover_hsdp.collectives.processes``). mpirun waits for every process it started, also one
     the world excluded because it froze or was cut off. So once the run's summary is written
@@ -227,7 +227,8 @@ def supervise(command: list[str], env: dict, out: Path, end_grace_s: float,
     still alive on this host. Returns mpirun's exit code (negative: ended by a signal).
 
     ``tail``: a ``collections.deque`` that receives mpirun's output lines (still printed);
-    ``on_poll``: called every poll (0.2 s) while mpirun runs (the relaunch tier's clock)."""
+    ``on_poll``: called every poll (0.2 s) while mpirun runs (the relaunch tier's clock);
+    ``should_end``: called every poll, returns why mpirun must be ended now, or None."""
     started = time.time()
     summary = out / "summary.json"
     proc = subprocess.Popen(command, env=env, **({} if tail is None else dict(
@@ -249,9 +250,10 @@ def supervise(command: list[str], env: dict, out: Path, end_grace_s: float,
         if written_at is None and summary.exists() and summary.stat().st_mtime >= started:
             written_at = time.monotonic()
         overdue = written_at is not None and time.monotonic() - written_at > end_grace_s
-        if overdue or _no_progress_possible(out):
-            reason = ("the run ended but mpirun kept waiting (an excluded process?)" if overdue
-                      else "every process of the job has exited or is stopped")
+        asked = should_end() if should_end is not None else None
+        if overdue or asked or _no_progress_possible(out):
+            reason = asked or ("the run ended but mpirun kept waiting (an excluded process?)"
+                               if overdue else "every process of the job has exited or is stopped")
             print(f"recover-hsdp: {reason}: ending mpirun", file=sys.stderr, flush=True)
             proc.terminate()
             try:

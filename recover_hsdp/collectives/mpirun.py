@@ -27,6 +27,8 @@ in the application's own outputs.
 
 from __future__ import annotations
 
+import math
+
 import os
 import re
 import shutil
@@ -129,14 +131,18 @@ def heartbeat_detector_args(timeout_s: float = 4.0) -> list[str]:
 
 def daemon_keepalive_args(seconds: float) -> list[str]:
     """PRRTE's TCP keepalive on its daemons' connections (``recover.daemon_keepalive_s``):
-    ``seconds`` idle, then 2 probes 1 s apart. PRRTE 3.0 ends the job when it loses a daemon,
-    and a cut-off host is noticed only this way (docs/ULFM_NOTES.md): measured 6.4 s after a
-    cut at 5 s, 488 s at PRRTE's defaults. Empty for ``seconds <= 0`` (PRRTE's defaults)."""
+    5 s idle, then 3 probes ``seconds / 3`` apart, so PRRTE gives up on a cut-off daemon (and
+    PRRTE 3.0 then ends the job) between ``seconds`` and ``seconds`` + 5 after the cut: never
+    before, whatever the keepalive's phase at the cut was. [Note: emergency checkpoint]
+    (manager/manager.py) needs that floor: the survivors' checkpoint and the launcher's
+    relaunch come first. Measured before (5 s idle + 2 x 1 s): 6.4 s after a cut; at PRRTE's
+    defaults 488 s. Empty for ``seconds <= 0`` (PRRTE's defaults)."""
     if seconds <= 0:
         return []
-    return ["--prtemca", "oob_tcp_keepalive_time", f"{max(1, round(seconds))}",
-            "--prtemca", "oob_tcp_keepalive_intvl", "1",
-            "--prtemca", "oob_tcp_keepalive_probes", "2"]
+    interval = max(1, math.ceil(seconds / 3))
+    return ["--prtemca", "oob_tcp_keepalive_time", f"{min(5, interval)}",
+            "--prtemca", "oob_tcp_keepalive_intvl", f"{interval}",
+            "--prtemca", "oob_tcp_keepalive_probes", "3"]
 
 
 def default_mpirun() -> str:

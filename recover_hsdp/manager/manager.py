@@ -47,7 +47,9 @@ microbatch, or the step is refused; each bucket reduced under one membership
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
@@ -65,9 +67,15 @@ from recover_hsdp.manager.stragglers import observe_speeds
 from recover_hsdp.manager.totals import StepTotals
 from recover_hsdp.manager.work import StepState, StepWork
 from recover_hsdp.manager.writer import WriterDuties
-from recover_hsdp.outputs import RunMetrics
+from recover_hsdp.outputs import (RELAUNCH_REQUEST, RELAUNCH_VERDICT, SUPERVISED_ENV, RunMetrics,
+                                  write_json_atomic)
 from recover_hsdp.phases import Phase
 from recover_hsdp.workload import DataRef, Role, WorkloadPolicy
+
+
+#: How long the writer waits for the launcher's verdict after an emergency checkpoint (the
+#: launcher probes the job's hosts: PROBE_TIMEOUT_S in cli/hosts.py, plus margin).
+VERDICT_WAIT_S = 30.0
 
 
 class RecoverManager:
@@ -138,6 +146,7 @@ class RecoverManager:
         self._decided_at = 0.0
         self.emergency_checkpoint = False  # [Note: emergency checkpoint]
         self._emergency_on = emergency_checkpoint
+        self._emptied_hosts: set[str] = set()  # since the last emergency checkpoint
         bucket_sync.on_bucket = self._bucket_point
         world.on_phase = self._consensus_point  # the consensus's stages are points of it
         world.on_failed = self._on_failed
@@ -159,14 +168,43 @@ class RecoverManager:
 
     def take_emergency_checkpoint(self) -> bool:
         """[Note: emergency checkpoint] A host lost as a whole (every rank of it out of the
-        world at once: a crash, a cut link) is a failure PRRTE 3.0 does not survive: it ends
-        the job when it notices the lost daemon (``recover.daemon_keepalive_s`` after a cut).
-        So the step boundary after such a repair saves a checkpoint whatever the interval; a
-        relaunch ([Note: the relaunch tier], cli/relaunch.py) then redoes at most the steps
-        after it. True once per such repair; the same on every rank (the alive set and the
-        process table are agreed)."""
+        world at once: a crash, a cut link) may be a failure PRRTE 3.0 does not survive: it
+        ends the job when it notices the lost daemon (at once for a crashed host, not before
+        ``recover.daemon_keepalive_s`` after a cut). So the step boundary after such a repair
+        saves a checkpoint whatever the interval. Once the survivors agree it is complete, the
+        writer tells the launcher (``outputs.RELAUNCH_REQUEST``) and waits for its verdict: the
+        launcher asks every host of the job over its agent; a host that does not answer means
+        the runtime will end the job, so the launcher ends it now and relaunches from this
+        checkpoint ([Note: the relaunch tier], cli/relaunch.py): no step is redone. If every
+        host answers (the host's ranks died, its daemon lives) the verdict is "go on" and the
+        in-job tier carries on. True once per such repair; the same on every rank (the alive
+        set and the process table are agreed)."""
         due, self.emergency_checkpoint = self.emergency_checkpoint, False
         return due
+
+    def emergency_checkpoint_saved(self, step: int) -> None:
+        """[Note: emergency checkpoint] ``step``'s emergency checkpoint is agreed complete: the
+        writer tells the launcher (``outputs.RELAUNCH_REQUEST``), which relaunches from it at
+        once if a lost host does not answer, rather than when PRRTE notices its lost daemon
+        (``daemon_keepalive_s`` later: steps a relaunch would redo)."""
+        hosts, self._emptied_hosts = sorted(self._emptied_hosts), set()
+        if not self.writer.is_writer:
+            return  # it waits for the writer in the next step's collectives
+        write_json_atomic(self.out_dir / RELAUNCH_REQUEST,
+                          {"step": step, "hosts": hosts, "time": time.time()})
+        if not os.environ.get(SUPERVISED_ENV):
+            return
+        # The launcher's verdict: ends the job (a host does not answer) or "go on". Waiting
+        # here (everyone else waits in the next step) is what makes the relaunch redo no step.
+        verdict, deadline = self.out_dir / RELAUNCH_VERDICT, time.monotonic() + VERDICT_WAIT_S
+        with self.world.watchdog_paused():
+            while time.monotonic() < deadline:
+                try:
+                    if json.loads(verdict.read_text()).get("step") == step:
+                        return
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.05)
 
     @property
     def saves_checkpoints(self) -> bool:
@@ -322,6 +360,7 @@ class RecoverManager:
             state.plan = self.policy.replan(state.plan, result.dead_replicas)
             emptied = self.processes.hosts_emptied()  # [Note: emergency checkpoint]
             self.emergency_checkpoint |= self._emergency_on and bool(emptied)
+            self._emptied_hosts |= emptied if self._emergency_on else set()
         self.writer.refresh()
         self._compute_new_extras(step, work, state)
 

@@ -67,8 +67,10 @@ class ReplicaCheckpointer:
             if source.gathers_state:
                 states = self._manager.gather_for_checkpoint(to_host(source.checkpoint_state()))
                 source.set_gathered(states.values())
-        self._manager.save_checkpoint(curr_step,
-                                      lambda: self._save_here(curr_step, last_step, due))
+        saved = self._manager.save_checkpoint(
+            curr_step, lambda: self._save_here(curr_step, last_step, due))
+        if saved and emergency:
+            self._manager.emergency_checkpoint_saved(curr_step)
 
     def _save_here(self, curr_step: int, last_step: bool, due: bool) -> str | None:
         """This rank's part of the saving replica's DCP save; None, or why it failed.
