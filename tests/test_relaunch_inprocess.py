@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp.cli import attempts, relaunch
+from recover_hsdp.cli import attempts
 from recover_hsdp.cli import hosts as remote
 from recover_hsdp.cli.hosts import ssh_agent
 from recover_hsdp.cli.relaunch import (Evidence, HostEntry, daemon_hosts, ends_the_same_way,
