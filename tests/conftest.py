@@ -27,6 +27,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def in_job_repairs(events: list[dict]) -> list[dict]:
+    """The in-job repair events of a run's events.jsonl. A relaunch before any step committed
+    (the relaunch tier absorbing a start-up crash: seen under load, an MPI_Init abort after
+    the detector's false notice) may precede them; a relaunch after training began may not."""
+    relaunches = [e for e in events if e.get("phase") == "relaunch"]
+    assert all(r["last_step"] == 0 for r in relaunches), relaunches
+    return [e for e in events if "dead_replicas" in e]
+
+
 @pytest.fixture(scope="session")
 def local_corpus() -> Path:
     """Build the local corpus + tokenizer once per test session (shared cache dir)."""

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import DEBUG_CONFIG, REPO, read_jsonl, run_cli
+from conftest import DEBUG_CONFIG, REPO, in_job_repairs, read_jsonl, run_cli
 from netns_cluster import NetnsCluster, skip_unless_available
 from recover_hsdp.collectives.processes import read_registry
 
@@ -112,7 +112,7 @@ def test_lost_node_the_others_finish(tmp_path, fault, nodes):
         assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), text[-3000:]
         assert all(s["reduced_microbatches"] == nodes for s in steps)
         assert steps[-1]["alive_replicas"] == nodes - 1
-        events = read_jsonl(out / "events.jsonl")
+        events = in_job_repairs(read_jsonl(out / "events.jsonl"))
         assert [e["dead_replicas"] for e in events] == [[2]], events
         assert events[0]["detect_s"] < 20, events
         summary = json.loads((out / "summary.json").read_text())

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import DEBUG_CONFIG, REPO, read_jsonl, run_cli
+from conftest import DEBUG_CONFIG, REPO, in_job_repairs, read_jsonl, run_cli
 from netns_cluster import NetnsCluster, skip_unless_available
 from recover_hsdp.collectives.processes import read_registry
 from test_node_loss import IN_JOB, _finish, _names, _wait_for_step
@@ -91,7 +91,7 @@ def _check(out, rc, text, left, reference):
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), text[-3000:]
     assert all(s["reduced_microbatches"] == 2 for s in steps), steps     # B, measured
     assert steps[-1]["alive_replicas"] == 1
-    events = read_jsonl(out / "events.jsonl")
+    events = in_job_repairs(read_jsonl(out / "events.jsonl"))
     assert [e["dead_replicas"] for e in events] == [[1]], events
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, reference)]
     assert max(diffs) <= 1e-3, diffs
