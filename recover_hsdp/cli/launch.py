@@ -256,15 +256,15 @@ def supervise(command: list[str], env: dict, out: Path, end_grace_s: float,
                                if overdue else "every process of the job has exited or is stopped")
             print(f"recover-hsdp: {reason}: ending mpirun", file=sys.stderr, flush=True)
             proc.terminate()
-            try:
-                returncode = proc.wait(timeout=5)
+            try:  # a job asked to end has a daemon that cannot answer: do not wait for it long
+                returncode = proc.wait(timeout=2 if asked else 5)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 returncode = proc.wait()
             break
+    leftovers = kill_local(read_registry(out))  # first: they hold mpirun's output pipes
     for reader in readers:
         reader.join(timeout=5)
-    leftovers = kill_local(read_registry(out))
     if leftovers:
         print(f"recover-hsdp: ended processes of the job left on this host: {leftovers}",
               file=sys.stderr, flush=True)
