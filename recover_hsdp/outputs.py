@@ -38,9 +38,10 @@ def write_json_atomic(path: str | Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def clear_run_files(out_dir: str | Path) -> list[str]:
+def clear_run_files(out_dir: str | Path, keep: tuple[str, ...] = ()) -> list[str]:
     """Remove an earlier run's files from ``out_dir`` so a new run never mixes with them
-    (checkpoints are kept: a restart loads them). Returns the names removed."""
+    (checkpoints are kept: a restart loads them; so are the folders in ``keep``). Returns the
+    names removed."""
     out_dir = Path(out_dir)
     removed = []
     for path in [*(out_dir / n for n in RUN_FILES), *out_dir.glob("grads_step*.pt")]:
@@ -49,7 +50,7 @@ def clear_run_files(out_dir: str | Path) -> list[str]:
             removed.append(path.name)
     for folder in ("membership", "errors", "samples", "join", "start"):  # claims, errors, data
         # log, joins, start-up records
-        if (out_dir / folder).is_dir():
+        if folder not in keep and (out_dir / folder).is_dir():
             shutil.rmtree(out_dir / folder)
             removed.append(f"{folder}/")
     return removed

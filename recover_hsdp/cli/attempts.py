@@ -113,7 +113,8 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
                     (out / "metrics.jsonl").stat().st_size > 0:
                 first_step.append(time.time())
 
-        request = RelaunchRequest(out, agent, [e.name for e in entries])
+        gone = records[-1].lost_hosts if records else {}
+        request = RelaunchRequest(out, agent, [e.name for e in entries if e.name not in gone])
         returncode = supervise(command, env, out, args.end_grace, tail=tail, on_poll=watch,
                                should_end=request.check)
         ended_at = time.time()
@@ -169,7 +170,9 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
         except ConfigError as err:
             print(f"recover-hsdp: no relaunch: {err}", file=sys.stderr, flush=True)
             break
-        clear_run_files(out)
+        # the old job's claims stay: a cut-off part of it may still be alive and must find the
+        # majority's claim there and stop ([Note: split brain] in collectives/arbiter.py)
+        clear_run_files(out, keep=("membership",))
         records.append(record)
         print(f"recover-hsdp: relaunch {record.attempt}/{rc.max_relaunches}: {cause}; "
               f"{plan.replicas} replica(s) on {', '.join(record.hosts)} from step "

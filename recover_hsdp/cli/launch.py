@@ -238,7 +238,7 @@ def supervise(command: list[str], env: dict, out: Path, end_grace_s: float,
         for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
     for reader in readers:
         reader.start()
-    written_at = None
+    written_at, asked = None, None
     while True:
         try:
             returncode = proc.wait(timeout=0.2)
@@ -263,8 +263,10 @@ def supervise(command: list[str], env: dict, out: Path, end_grace_s: float,
                 returncode = proc.wait()
             break
     leftovers = kill_local(read_registry(out))  # first: they hold mpirun's output pipes
+    # so may an agent of a lost host (ssh to a cut-off host hangs): bounded, shorter when asked
+    relay_deadline = time.monotonic() + (1.0 if asked else 5.0)
     for reader in readers:
-        reader.join(timeout=5)
+        reader.join(timeout=max(0.0, relay_deadline - time.monotonic()))
     if leftovers:
         print(f"recover-hsdp: ended processes of the job left on this host: {leftovers}",
               file=sys.stderr, flush=True)
