@@ -122,7 +122,8 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
             _training_again(records[-1], first_step)
         if _completed(out) is not None:
             break
-        aliases = remote.host_names(agent, [e.name for e in entries])  # who answers, as whom
+        # who answers, as whom (asked already if the job was ended on the writer's request)
+        aliases = request.answers or remote.host_names(agent, [e.name for e in entries])
         attempt = len(records)
         evidence = relaunch.Evidence(
             log_text="".join(tail), procs=[p.__dict__ for p in read_registry(out)],
@@ -195,6 +196,7 @@ class RelaunchRequest:
         for path in (self.path, self.verdict):
             path.unlink(missing_ok=True)  # an earlier attempt's
         self._seen: float | None = None
+        self.answers: dict[str, str | None] | None = None  # the hosts' answers that ended it
 
     def check(self) -> str | None:
         try:
@@ -205,11 +207,12 @@ class RelaunchRequest:
         except (OSError, ValueError):
             return None
         self._seen = mtime
-        silent = [h for h, name in remote.host_names(self.agent, self.hosts).items()
-                  if name is None]
+        answers = remote.host_names(self.agent, self.hosts)
+        silent = [h for h, name in answers.items() if name is None]
         if not silent:  # its ranks died, its daemon lives: the in-job tier carries on
             write_json_atomic(self.verdict, {"step": request["step"], "go_on": True})
             return None
+        self.answers = answers
         return (f"host(s) {', '.join(silent)} lost (no answer) after step {request['step']}'s "
                 "emergency checkpoint: ending the job to relaunch from it")
 
@@ -247,7 +250,7 @@ def _keep_attempt(out: Path, attempt: int, log_text: str) -> None:
 
 def _write_hostfile(out: Path, attempt: int, entries) -> Path:
     path = out / RELAUNCH_DIR / f"hostfile-{attempt}"
-    path.write_text("".join(f"{e.line}\n" for e in entries))
+    path.write_text(relaunch.format_hostfile(entries))
     return path
 
 

@@ -65,6 +65,11 @@ def parse_hostfile(text: str) -> list[HostEntry]:
     return entries
 
 
+def format_hostfile(entries: list[HostEntry]) -> str:
+    """The hostfile of ``entries``, one line each as it was given."""
+    return "".join(f"{e.line}\n" for e in entries)
+
+
 def newest_complete_checkpoint(folder: str | Path | None) -> int | None:
     """The step of the newest ``step-N`` DCP folder that holds its ``.metadata`` (written
     last by DCP: a folder without it is a save that did not finish), or None."""

@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from recover_hsdp.cli.relaunch import HostEntry
+from recover_hsdp.cli.relaunch import HostEntry, format_hostfile
 from recover_hsdp.errors import ConfigError
 
 NODELIST = "SLURM_JOB_NODELIST"
@@ -97,5 +97,5 @@ def write_allocation_hostfile(out: Path, environ=os.environ) -> Path:
     """The allocation as a hostfile in ``out`` ([Note: Slurm allocations]); returns its path."""
     path = Path(out) / "slurm-hostfile"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(e.line + "\n" for e in allocation_hosts(environ)))
+    path.write_text(format_hostfile(allocation_hosts(environ)))
     return path
