@@ -136,10 +136,18 @@ def detector_ab(args) -> None:
     _save("detector_overhead.json", results, args)
 
 
+#: The data planes compared by ``--planes`` and the settings that select each.
+PLANES = {"mpi": ("--recover.data_plane", "mpi"),
+          "torch": ("--recover.data_plane", "torch"),
+          "torch-hook": ("--recover.data_plane", "torch", "--recover.no-overlap_reduce")}
+
+
 def planes_ab(args) -> None:
     """Stock vs ReCoVer on each data plane, interleaved (same work); then the stall of one
-    death per plane. [Note: control plane and data plane] in manager/data_plane.py."""
-    planes = ("mpi", "torch")
+    death per plane. ``torch-hook`` is the torch plane with each sum waited for in its hook
+    (``overlap_reduce = false``), beside the overlapped default: [Note: overlapped bucket sums]
+    in recovery/buckets.py. [Note: control plane and data plane] in manager/data_plane.py."""
+    planes = PLANES
     results = {}
     for layout, g in [(lay, int(g)) for g in args.g.split(",") for lay in args.layouts.split(",")]:
         replicas, ranks = map(int, layout.split("x"))
@@ -150,7 +158,7 @@ def planes_ab(args) -> None:
             row = {"stock_s": stock}
             for plane in planes:
                 row[f"{plane}_s"], _ = run(replicas, ranks, False, args.steps,
-                                           batch + ("--recover.data_plane", plane))
+                                           batch + PLANES[plane])
                 row[f"{plane}_ratio"] = row[f"{plane}_s"] / stock
             rounds.append(row)
             print(f"{layout} G={g}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()),
@@ -159,7 +167,7 @@ def planes_ab(args) -> None:
             f"median_{key}": statistics.median(r[key] for r in rounds) for key in rounds[0]}}
         for plane in planes:  # the stall of one death (replica 1, step 6, mid-sync)
             rows: list = []
-            run(replicas, ranks, False, args.steps, batch + ("--recover.data_plane", plane),
+            run(replicas, ranks, False, args.steps, batch + PLANES[plane],
                 faults=("replica=1,step=6,phase=grad_sync",), rows_out=rows)
             by_step = {r["step"]: r["step_time_s"] for r in rows}
             calm = statistics.median(t for s, t in by_step.items() if s not in (6, 7))
@@ -173,17 +181,20 @@ def planes_ab(args) -> None:
 
 
 def planes_markdown(results: dict) -> str:
-    lines = ["| layout, G | rounds | stock step (s) | mpi step (s) | torch step (s) | mpi/stock | "
-             "torch/stock | stall per death mpi (s) | stall per death torch (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    names = [p for p in PLANES if any(f"median_{p}_s" in r for r in results.values()
+                                       if isinstance(r, dict))]
+    lines = ["| layout, G | rounds | stock step (s) | " + " | ".join(
+        f"{p} step (s)" for p in names) + " | " + " | ".join(f"{p}/stock" for p in names)
+        + " | " + " | ".join(f"stall per death {p} (s)" for p in names) + " |",
+        "|---|---|---|" + "---|" * (3 * len(names))]
     for layout, r in results.items():
         if not isinstance(r, dict) or "rounds" not in r:
             continue
         lines.append(
             f"| {layout} | {len(r['rounds'])} | {r['median_stock_s']:.3f} | "
-            f"{r['median_mpi_s']:.3f} | {r['median_torch_s']:.3f} | "
-            f"{r['median_mpi_ratio']:.3f} | {r['median_torch_ratio']:.3f} | "
-            f"{r['mpi_stall_s']:.2f} | {r['torch_stall_s']:.2f} |")
+            + " | ".join(f"{r[f'median_{p}_s']:.3f}" for p in names) + " | "
+            + " | ".join(f"{r[f'median_{p}_ratio']:.3f}" for p in names) + " | "
+            + " | ".join(f"{r[f'{p}_stall_s']:.2f}" for p in names) + " |")
     return "\n".join(lines)
 
 

@@ -157,14 +157,22 @@ class Recover:
     """Steps in a row a replica must be out of its band before its quota changes (either way).
     >= 1."""
 
-    data_plane: Literal["mpi", "torch"] = "mpi"
+    data_plane: Literal["auto", "mpi", "torch"] = "auto"
     """Where the bytes of the cross-replica gradient sums travel ([Note: control plane and
     data plane] in manager/data_plane.py): ``mpi``, the fault-tolerant world's guarded
     all-reduce (host staging, btl/tcp); ``torch``, a torch.distributed group (gloo on CPU,
     NCCL on GPU) of the same-shard ranks of the alive replicas, rebuilt for every world
     epoch. Either way ULFM decides who is alive and whether an epoch was clean (the
-    consensus), so B per step is unchanged. Default ``mpi`` until the torch plane is proven
-    on GPU clusters (README "Data plane")."""
+    consensus), so B per step is unchanged. ``auto`` (default): ``torch`` when the model is
+    on GPUs (NCCL: device buffers, no host staging, RDMA, overlapped with the backward),
+    ``mpi`` on CPU (both are TCP there, and the MPI path's all-reduce measured faster on
+    CPU: README "Data plane")."""
+
+    overlap_reduce: bool = True
+    """``torch`` data plane: each bucket's sum is enqueued in its FSDP hook and waited for
+    before the consensus, so the backward goes on meanwhile ([Note: overlapped bucket sums] in
+    recovery/buckets.py); false: each sum is waited for in its hook. The ``mpi`` plane always
+    waits in the hook."""
 
     wire_dtype: Literal["fp32", "bf16"] = "fp32"
     """dtype of the cross-replica sum on the wire: ``fp32`` (exact: the failure-free
@@ -379,8 +387,10 @@ def validate(job_config, world_size: int | None = None) -> None:
 
 
 def _check_data_plane(rc) -> None:
-    """``data_plane``, ``wire_dtype`` and ``transport`` (the launch checks the transport's
+    """``data_plane``, ``overlap_reduce``, ``wire_dtype`` and ``transport`` (the launch checks the transport's
     libraries: ``collectives.transport``)."""
+    if not isinstance(rc.overlap_reduce, bool):
+        raise ConfigError(f"recover.overlap_reduce={rc.overlap_reduce!r}: use true or false")
     for name in ("data_plane", "wire_dtype", "transport"):
         allowed = get_args(Recover.__annotations__[name])
         if getattr(rc, name) not in allowed:

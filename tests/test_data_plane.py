@@ -87,30 +87,99 @@ def test_blocked_reduce_is_abandoned_when_the_control_plane_reports_a_failure():
         assert 0.3 < waited < 5.0, waited
 
 
-def test_bucket_sync_on_the_torch_plane_rereduces_after_a_death():
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "in-hook"])
+def test_bucket_sync_on_the_torch_plane_rereduces_after_a_death(overlap):
     """BucketSync with a torch plane: replica 1 dies after the first bucket; the survivors'
-    stale buckets are restored and reduced on the new epoch's group."""
+    stale buckets are restored and reduced on the new epoch's group (overlapped: the death
+    is found in ``wait_sums``; in the hook: in the next bucket's reduce)."""
     hub = FakeHub(3)
 
     def rank(world):
         units = [FakeUnit(f"u{i}") for i in range(3)]
-        plane = TorchDataPlane(world, "gloo", timeout_s=30)
+        plane = TorchDataPlane(world, "gloo", timeout_s=30, overlap=overlap)
         sync = BucketSync(units, world, plane=plane)
         sync.begin_step(contributes=True)
         for index, unit in enumerate(units):
             if world.replica == 1 and index == 1:
                 hub.kill(1)
             unit.sync(_value(world.replica, index))
+        sync.wait_sums()
+        stale = [b.epoch is None for b in sync.buckets]
         world.consensus(not world.epoch_failed and sync.all_current())
         sync.rereduce(contributes=True)
         assert world.consensus(not world.epoch_failed and sync.all_current()).clean
-        return [b.tensor.clone() for b in sync.buckets], plane.builds
+        return [b.tensor.clone() for b in sync.buckets], plane.builds, stale
 
     out = values_of(run_ranks(hub, rank), killed=[(1, 0)])
-    for buckets, builds in out.values():
+    for buckets, builds, stale in out.values():
         assert builds == 2
+        assert stale[1:] == [True, True]  # never summed by the dead replica
         for index, tensor in enumerate(buckets):
             assert torch.equal(tensor, _value(0, index) + _value(2, index))
+
+
+def test_overlapped_sums_let_the_backward_go_on():
+    """[Note: overlapped bucket sums]: replica 1 is 0.6 s late to every bucket (a slow
+    backward); replica 0's hooks return at once (its sums are enqueued, not waited for), and
+    the waiting happens in ``wait_sums``, after which every bucket holds the sum, tagged with
+    the epoch. The same without overlap: replica 0 waits in every hook."""
+    def timed(overlap):
+        hub = FakeHub(2)
+
+        def rank(world):
+            units = [FakeUnit(f"u{i}") for i in range(3)]
+            plane = TorchDataPlane(world, "gloo", timeout_s=30, overlap=overlap)
+            plane.reduce(torch.zeros(1))  # build the group first
+            sync = BucketSync(units, world, plane=plane)
+            sync.begin_step(contributes=True)
+            hooks = 0.0
+            for index, unit in enumerate(units):
+                if world.replica == 1:
+                    time.sleep(0.6)
+                started = time.monotonic()
+                unit.sync(_value(world.replica, index))
+                hooks += time.monotonic() - started
+            sync.wait_sums()
+            assert sync.all_current()
+            return hooks, [b.tensor.clone() for b in sync.buckets]
+
+        return values_of(run_ranks(hub, rank))
+
+    overlapped, waited = timed(True), timed(False)
+    for out in (overlapped, waited):
+        for hooks, buckets in out.values():
+            for index, tensor in enumerate(buckets):
+                assert torch.equal(tensor, _value(0, index) + _value(1, index))
+    assert overlapped[(0, 0)][0] < 0.3, overlapped[(0, 0)][0]
+    assert waited[(0, 0)][0] > 1.2, waited[(0, 0)][0]
+
+
+def test_overlapped_sum_blocked_on_a_frozen_peer_is_abandoned_in_the_wait():
+    """A replica that stops taking part after its first bucket (alive, sockets open): the
+    others' ``wait_sums`` gives up when the control plane reports the failure; their buckets
+    hold their own contributions (restorable), none tagged."""
+    hub = FakeHub(3)
+
+    def rank(world):
+        units = [FakeUnit(f"u{i}") for i in range(2)]
+        plane = TorchDataPlane(world, "gloo", timeout_s=60)
+        sync = BucketSync(units, world, plane=plane)
+        sync.begin_step(contributes=True)
+        units[0].sync(_value(world.replica, 0))
+        if world.replica == 2:
+            time.sleep(0.5)
+            world.fail_epoch("replica 2 frozen (test)")
+            return world.consensus(False).clean
+        units[1].sync(_value(world.replica, 1))
+        sync.wait_sums()
+        mine = torch.equal(sync.buckets[1].tensor, _value(world.replica, 1))
+        return [b.epoch for b in sync.buckets], mine, world.consensus(sync.all_current()).clean
+
+    out = values_of(run_ranks(hub, rank))
+    assert out[(2, 0)] is False
+    for key in [(0, 0), (1, 0)]:
+        epochs, mine, clean = out[key]
+        assert epochs[1] is None and mine and not clean
 
 
 def test_bf16_on_the_wire_keeps_replicas_identical():
@@ -131,12 +200,29 @@ def test_bf16_on_the_wire_keeps_replicas_identical():
     assert torch.allclose(a, exact, rtol=2e-2, atol=2e-2)
 
 
+def test_auto_is_torch_on_gpus_and_mpi_on_cpu():
+    from recover_hsdp.manager.data_plane import resolve_data_plane
+
+    assert resolve_data_plane("auto", None) == "mpi"
+    assert resolve_data_plane("auto", torch.device("cpu")) == "mpi"
+    assert resolve_data_plane("auto", torch.device("cuda", 3)) == "torch"
+    assert resolve_data_plane("mpi", torch.device("cuda", 0)) == "mpi"
+    assert resolve_data_plane("torch", None) == "torch"
+    assert resolve_data_plane("auto", torch.device("cuda", 0), ranks_per_gpu=2) == "mpi"
+    with pytest.raises(ConfigError) as err:  # NCCL: one rank per GPU in a communicator
+        resolve_data_plane("torch", torch.device("cuda", 0), ranks_per_gpu=2)
+    assert "data_plane=torch with 2 ranks per GPU" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert JobConfig().recover.data_plane == "auto" and JobConfig().recover.overlap_reduce
+
+
 @pytest.mark.parametrize("changes,words", [
     ({"wire_dtype": "bf16"}, "needs recover.data_plane=torch"),
     ({"wire_dtype": "bf16", "data_plane": "torch", "save_final_params": True},
      "recover.save_final_params"),
     ({"data_plane": "nccl"}, "recover.data_plane='nccl'"),
     ({"transport": "ib"}, "recover.transport='ib'"),
+    ({"overlap_reduce": "yes"}, "recover.overlap_reduce='yes'"),
 ])
 def test_data_plane_fields_are_refused_in_one_line(changes, words):
     rc = JobConfig().recover

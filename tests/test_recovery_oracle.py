@@ -94,9 +94,9 @@ def test_promoted_spare(tmp_path, local_corpus, mode):
     _check_step_against_oracle(out, 3, 1, [0], 4, overrides=extra, slots=4)
 
 
-# torch: slow (default suite time: the 4 x 1 SIGKILL run in test_end_to_end is on both planes)
+# default suite: the oracle on both planes (torch after one overlapped bucket); the rest slow
 @pytest.mark.parametrize("k,data_plane", [
-    (0, "mpi"), pytest.param(0, "torch", marks=pytest.mark.slow),
+    (0, "mpi"), (1, "torch"), pytest.param(0, "torch", marks=pytest.mark.slow),
     pytest.param(N_BUCKETS, "mpi", marks=pytest.mark.slow),
     pytest.param(1, "mpi", marks=pytest.mark.slow),
     pytest.param(N_BUCKETS - 1, "mpi", marks=pytest.mark.slow)])

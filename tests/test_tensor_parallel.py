@@ -60,11 +60,15 @@ def test_fsdp_x_tp_replicas_match_stock_hsdp_tp(tmp_path, local_corpus, fsdp):
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_tp_rank_killed_mid_sync_replica_leaves_as_a_unit(tmp_path, local_corpus):
+# default suite time: without the failure-free twin run (the gradient oracle checks the
+# recovered step); slow: the whole trajectory against the failure-free run as well
+@pytest.mark.parametrize("against_failure_free", [
+    False, pytest.param(True, marks=pytest.mark.slow)])
+def test_tp_rank_killed_mid_sync_replica_leaves_as_a_unit(tmp_path, local_corpus,
+                                                         against_failure_free):
     """Real process: a TP rank SIGKILLed mid-sync; its TP peer's collective fails; the replica
     leaves as a unit."""
     common = ("--recover.hang_timeout_s", "10")
-    reference = read_jsonl(_train(tmp_path / "ref", 3, 2, extra=(*TP, *common)) / "metrics.jsonl")
     out = _train(tmp_path / "tp", 3, 2, faults=["replica=1,step=2,phase=grad_sync,bucket=3,rank=1"],
                  extra=(*TP, *common, "--recover.dump_step_gradients", "2"))
     steps = read_jsonl(out / "metrics.jsonl")
@@ -73,8 +77,11 @@ def test_tp_rank_killed_mid_sync_replica_leaves_as_a_unit(tmp_path, local_corpus
     assert [s["alive_replicas"] for s in steps] == [3, 2, 2, 2, 2]
     events = read_jsonl(out / "events.jsonl")
     assert [e["dead_replicas"] for e in events] == [[1]], events
-    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, reference)]
-    assert max(diffs) <= 1e-3, diffs
+    if against_failure_free:
+        reference = read_jsonl(_train(tmp_path / "ref", 3, 2, extra=(*TP, *common))
+                               / "metrics.jsonl")
+        diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, reference)]
+        assert max(diffs) <= 1e-3, diffs
     procs = read_registry(out)
     assert [procs[r].state() for r in (2, 3)] == [None, None]       # both ranks of replica 1 gone
     text = (out / "stdout.log").read_text()

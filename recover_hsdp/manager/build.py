@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -83,10 +84,12 @@ def _data_plane(job_config, world, model):
     """[Note: control plane and data plane] (manager/data_plane.py): None for ``mpi``. The
     torch group's own timeout is the replica group's (a last resort: the control plane's
     poll abandons a blocked call first)."""
+    from recover_hsdp.collectives.mpirun import RANKS_PER_GPU_ENV
     from recover_hsdp.manager.data_plane import build_data_plane
     from recover_hsdp.manager.replica_group import group_timeout_s, job_deadlines
 
     rc = job_config.recover
     device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
     timeout = group_timeout_s(job_deadlines(job_config), rc.detect_timeout_s)
-    return build_data_plane(rc, world, device=device, timeout_s=timeout)
+    return build_data_plane(rc, world, device=device, timeout_s=timeout,
+                            ranks_per_gpu=int(os.environ.get(RANKS_PER_GPU_ENV, "1") or 1))

@@ -5,9 +5,9 @@ shrink, epoch, membership, the consensus) is the one source of truth about who i
 whether an epoch is clean. The bucket sums themselves go through the data plane chosen by
 ``[recover] data_plane``:
 
-* ``mpi`` (default): the world's guarded all-reduce over the shard communicator
+* ``mpi`` (the default on CPU): the world's guarded all-reduce over the shard communicator
   (``staging.reduce`` + ``FaultTolerantWorld.allreduce``), chunked, btl/tcp.
-* ``torch``: a torch.distributed group (gloo on CPU, NCCL on GPU) of the same-position ranks
+* ``torch`` (the default on GPU: ``auto``): a torch.distributed group (gloo on CPU, NCCL on GPU) of the same-position ranks
   (same shard index) of the alive replicas, in replica order -- the members of this rank's
   shard communicator. One group per world epoch: every change of membership (a shrink, a
   rejoin) gives a new epoch, and the first reduce under a new epoch builds a new group before
@@ -44,16 +44,30 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from recover_hsdp.collectives.guard import die, log_line
+from recover_hsdp.config import ConfigError
 from recover_hsdp.errors import one_line
 from recover_hsdp.manager import rendezvous
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+#: Abandoned groups, referenced until the process ends (``TorchDataPlane._abandon``).
+_NEVER_DESTROYED: list[Any] = []
+
+
+class PendingSum(NamedTuple):
+    """One enqueued bucket sum: the bucket, the private wire copy being summed, the backend's
+    work (None with one member) and the group it runs on."""
+
+    tensor: torch.Tensor
+    wire: torch.Tensor
+    work: Any
+    group: Any
 
 
 class TorchDataPlane:
@@ -67,13 +81,18 @@ class TorchDataPlane:
         timeout_s: the backend's own timeout (a last resort: the poll decides first).
         poll_s: how often a waiting rank asks the control plane.
         device: the CUDA device of the NCCL group (None on gloo).
+        overlap: ``BucketSync`` enqueues each bucket's sum in the hook and waits for all of
+            them before the consensus ([Note: overlapped bucket sums]); False: each sum is
+            waited for in its hook.
     """
 
     name = "torch"
 
     def __init__(self, world, backend: str | None = None, wire_dtype: str = "fp32",
-                 timeout_s: float = 1800.0, poll_s: float = 0.01, device=None) -> None:
+                 timeout_s: float = 1800.0, poll_s: float = 0.01, device=None,
+                 overlap: bool = True) -> None:
         self.world = world
+        self.overlap = overlap
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.timeout = timedelta(seconds=timeout_s)
@@ -89,25 +108,51 @@ class TorchDataPlane:
     # ------------------------------------------------------------------ the reduce
 
     def reduce(self, tensor: torch.Tensor) -> bool:
-        """SUM of ``tensor`` over the same-shard ranks of the alive replicas, in place.
-        False: the epoch failed (``tensor`` is then untouched: restore it anyway)."""
+        """SUM of ``tensor`` over the same-shard ranks of the alive replicas, in place, waited
+        for. False: the epoch failed (``tensor`` is then untouched: restore it anyway)."""
+        return self.wait([self.start(tensor)])[0]
+
+    def start(self, tensor: torch.Tensor) -> "PendingSum | None":
+        """Enqueue the SUM of ``tensor`` and return at once ([Note: overlapped bucket sums]);
+        :meth:`wait` completes it. None: not enqueued (the epoch had failed, or the group could
+        not be built: the epoch is failed then)."""
         world = self.world
         if world.epoch_failed or not self._ready():
-            return False
+            return None
         wire = tensor.detach().to(self.wire_dtype, copy=True).view(-1)
-        if self._group is not None:
-            try:
-                work = self._group.allreduce([wire], dist.AllreduceOptions())
-            except Exception as err:  # noqa: BLE001 - an enqueue error fails the epoch
-                return self._failed(f"data plane allreduce: {one_line(err)}")
-            if not self._wait(work.is_completed, "allreduce"):
+        if self._group is None:  # one member: the sum is the tensor itself
+            return PendingSum(tensor, wire, None, None)
+        try:
+            work = self._group.allreduce([wire], dist.AllreduceOptions())
+        except Exception as err:  # noqa: BLE001 - an enqueue error fails the epoch
+            self._failed(f"data plane allreduce: {one_line(err)}")
+            return None
+        return PendingSum(tensor, wire, work, self._group)
+
+    def wait(self, pending: "list[PendingSum | None]") -> list[bool]:
+        """Complete enqueued sums in order (the order every member enqueued them in): each
+        done one is copied back into its tensor. A failure (an error, or the control plane
+        reporting one while a call is blocked) abandons the group; that sum and every later
+        one is then False, their tensors untouched."""
+        results: list[bool] = []
+        for item in pending:
+            results.append(item is not None and all(results) and self._complete(item))
+        return results
+
+    def _complete(self, item: "PendingSum") -> bool:
+        if item.work is not None:
+            if item.group is not self._group:  # abandoned since it was enqueued
+                return False
+            if not self._wait(item.work.is_completed, "allreduce"):
                 return False
             try:
-                work.wait()
+                item.work.wait()  # on GPU: the caller's stream waits for NCCL's
             except Exception as err:  # noqa: BLE001 - gloo: a dead peer's connection reset
                 return self._failed(f"data plane allreduce: {one_line(err)}")
         with torch.no_grad():
-            tensor.view(-1).copy_(wire)
+            item.tensor.view(-1).copy_(item.wire)
+        if item.wire.is_cuda:  # freed on the host now: not reused before the copy ran
+            item.wire.record_stream(torch.cuda.current_stream())
         return True
 
     def _wait(self, done: Callable[[], bool], what: str) -> bool:
@@ -142,11 +187,14 @@ class TorchDataPlane:
     def _abandon(self) -> None:
         """Give the group up: never used again; NCCL communicators aborted (a kernel spinning
         on a dead peer returns); gloo groups are left to their threads (no collective teardown
-        with dead members)."""
+        with dead members; ``abort`` is a no-op for gloo). Kept referenced for the process's
+        life: a gloo group's destructor waits for its blocked work (up to the group timeout,
+        measured), which would stall whichever thread dropped the last reference."""
         group, self._group, self._key = self._group, None, None
         if group is None:
             return
         self.abandoned.append(group)
+        _NEVER_DESTROYED.append(group)
         if self.backend == "nccl":
             try:
                 group.abort()
@@ -241,9 +289,31 @@ def _reachable(leader: rendezvous.HostAddresses, mine: rendezvous.HostAddresses)
                      f"{mine.host} over the job's interfaces ({sorted(own) or 'none'})")
 
 
-def build_data_plane(rc, world, device=None, timeout_s: float = 1800.0):
-    """The data plane ``[recover] data_plane`` names for ``world``: None for ``mpi`` (the
-    world's own all-reduce, ``BucketSync``'s default), a :class:`TorchDataPlane` for ``torch``."""
-    if rc.data_plane == "mpi":
+def resolve_data_plane(name: str, device=None, ranks_per_gpu: int = 1) -> str:
+    """``[recover] data_plane`` for a model on ``device``: ``auto`` is ``torch`` on CUDA with
+    one rank per GPU, ``mpi`` otherwise (config.py says why). NCCL takes one rank per GPU in a
+    communicator, so ``torch`` on GPUs shared by several ranks is refused (one line)."""
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    if name == "auto":
+        return "torch" if on_gpu and ranks_per_gpu == 1 else "mpi"
+    if name == "torch" and on_gpu and ranks_per_gpu > 1:
+        raise ConfigError(f"recover.data_plane=torch with {ranks_per_gpu} ranks per GPU: NCCL "
+                          "needs one rank per GPU in a group; use data_plane = \"mpi\" (or "
+                          "\"auto\") or --ranks-per-gpu 1")
+    return name
+
+
+def build_data_plane(rc, world, device=None, timeout_s: float = 1800.0,
+                     ranks_per_gpu: int = 1):
+    """The data plane ``[recover] data_plane`` names for ``world`` (``auto`` resolved for
+    ``device``): None for ``mpi`` (the world's own all-reduce, ``BucketSync``'s default), a
+    :class:`TorchDataPlane` for ``torch``."""
+    plane = resolve_data_plane(rc.data_plane, device, ranks_per_gpu)
+    if world.world_rank == 0:
+        how = "" if plane == "mpi" else (f", wire {rc.wire_dtype}, sums "
+                                         + ("overlapped" if rc.overlap_reduce else "in the hook"))
+        log_line(f"data plane: {plane} (data_plane = {rc.data_plane}){how}")
+    if plane == "mpi":
         return None
-    return TorchDataPlane(world, wire_dtype=rc.wire_dtype, timeout_s=timeout_s, device=device)
+    return TorchDataPlane(world, wire_dtype=rc.wire_dtype, timeout_s=timeout_s, device=device,
+                          overlap=rc.overlap_reduce)

@@ -24,7 +24,8 @@ walks these phases in this order (``recover_hsdp.phases.Phase``, a profile shows
   2. compute: forward/backward of each id, FSDP gradient sync on the last one only
      (``StepWork.set_gradient_sync``); a replica-local error fails the epoch;
   3. grad_sync: during the last backward the all-reduce hook of every FSDP unit snapshots its
-     bucket and sums it across replicas under the current epoch; then the step's totals
+     bucket and sums it across replicas under the current epoch (on the torch data plane the
+     sums are enqueued and waited for here: [Note: overlapped bucket sums]); then the step's totals
      (``StepTotals``: loss, tokens, the measured microbatches) are summed the same way;
   4. consensus: every rank agrees the epoch was clean -> commit: the trainer rescales, clips and
      steps the optimizer (``StepWork.apply_update``); ledger line, metrics record;
@@ -225,6 +226,7 @@ class RecoverManager:
             self.bucket_sync.begin_step(contributes=mine.commits_compute)
             sync_started = self._compute(step, work, mine.compute_ids, state)
         with span(step, Phase.GRAD_SYNC):                                # 3
+            self.bucket_sync.wait_sums()  # [Note: overlapped bucket sums] (buckets.py)
             buckets = len(self.bucket_sync.buckets)
             self.phases.point(step, Phase.GRAD_SYNC, bucket=buckets, buckets_total=buckets)
             state.sync_time_s = time.perf_counter() - sync_started

@@ -29,6 +29,21 @@ under an epoch summed: computed (zero for a replica that does not contribute) + 
 :meth:`BucketSync.reduced_microbatches` is this rank's figure if every bucket agrees; the
 manager sums it across replicas with the loss and refuses to commit a step whose sum is not B.
 
+[Note: overlapped bucket sums] On a data plane that can enqueue a sum and return (the
+``torch`` plane: gloo runs it on its own threads, NCCL on its own stream), the hook takes the
+snapshot, enqueues the bucket's sum on a private copy and returns, so the rest of the last
+microbatch's backward runs while earlier buckets are summed; :meth:`BucketSync.wait_sums`
+completes every enqueued sum, in hook order, before the step's totals and the consensus (and
+:meth:`BucketSync.rereduce` enqueues all its buckets, then waits). A bucket is tagged with the
+epoch when its sum completed, which is the epoch it was enqueued under: the epoch changes only
+in the repair, after the wait. Nothing reads a bucket between its hook and the wait (FSDP only
+points ``.grad`` into it; the optimizer runs after the consensus). A sum that fails or is
+abandoned leaves its bucket as the hook left it, stale like a failed synchronous reduce. Cost:
+every bucket's wire copy is alive until the wait (one gradient copy at the wire dtype, beside
+the snapshots). The ``mpi`` plane waits for each sum in its hook (a guarded blocking MPI call;
+ob1/tcp progresses a non-blocking collective only inside MPI calls on this thread, so
+``Iallreduce`` would not overlap either), and so does ``overlap_reduce = false``.
+
 The FSDP2 behaviour all this relies on, and how it is checked, is [Note: FSDP2 contract] in
 :mod:`recover_hsdp.recovery.fsdp_contract`; GPU stream ordering is [Note: hook streams] there.
 """
@@ -73,6 +88,8 @@ class Bucket:
     computed: int = 0             # microbatch gradients in the snapshot ([Note: measured ...])
     extras: int = 0               # microbatch gradients in ``extra``
     reduced: int = 0              # microbatch gradients the last reduce summed on this rank
+    pending: object = None        # an enqueued sum not yet waited for ([Note: overlapped ...])
+    enqueued_under: int | None = None  # the epoch it was enqueued under
 
 
 class BucketSync:
@@ -91,9 +108,10 @@ class BucketSync:
             (fault-injection point "after k of n buckets were reduced").
         hook_stream: GPU only: the stream FSDP runs the hook on (see [Note: hook streams]);
             ``None`` on CPU.
-        plane: the data plane of the sums (``reduce(tensor) -> bool``; [Note: control plane
-            and data plane] in manager/data_plane.py); ``None``: the world's MPI all-reduce
-            through host staging.
+        plane: the data plane of the sums (``reduce(tensor) -> bool``; with ``overlap`` true
+            also ``start(tensor)`` and ``wait(pending)``: [Note: overlapped bucket sums];
+            [Note: control plane and data plane] in manager/data_plane.py); ``None``: the
+            world's MPI all-reduce through host staging.
     """
 
     def __init__(self, units, world, host_snapshots: bool = False, on_bucket=None,
@@ -114,6 +132,7 @@ class BucketSync:
         # the slowest replica: not this replica's compute, [Note: straggler quotas])
         self.staging = HostStaging()  # GPU buckets' host chunks
         self.plane = plane
+        self.overlap = bool(getattr(plane, "overlap", False))
         self._pending = [0] * len(self.units)  # backward passes per unit since its last hook
         for index, unit in enumerate(self.units):
             unit.set_force_sum_reduction_for_comms(True)
@@ -237,13 +256,34 @@ class BucketSync:
 
     def _reduce(self, bucket: Bucket) -> None:
         """Guarded cross-replica SUM of one bucket, tagged with the epoch it succeeded under,
-        through the data plane when one is set. On MPI, GPU buckets go through reused pinned host chunks ([Note: no device tensor reaches MPI]
-        in recovery/staging.py; CUDA-aware MPI is not assumed); CPU buckets are reduced in place."""
+        through the data plane when one is set; enqueued only when the plane overlaps ([Note:
+        overlapped bucket sums]: :meth:`wait_sums` tags it). On MPI, GPU buckets go through
+        reused pinned host chunks ([Note: no device tensor reaches MPI] in
+        recovery/staging.py; CUDA-aware MPI is not assumed); CPU buckets are reduced in place."""
+        bucket.epoch = None
+        if self.overlap:
+            bucket.pending = self.plane.start(bucket.tensor)
+            bucket.enqueued_under = self.world.epoch
+            return
         if self.plane is not None:
             ok = self.plane.reduce(bucket.tensor)
         else:
             ok = self.staging.reduce(bucket.tensor, self.world.allreduce)
         bucket.epoch = self.world.epoch if ok else None
+
+    def wait_sums(self) -> None:
+        """Complete the enqueued sums ([Note: overlapped bucket sums]); a no-op when the plane
+        does not overlap. Called by the manager before the step's totals."""
+        waiting = [b for b in self.buckets if b.pending is not None]
+        if not waiting:
+            return
+        started = time.perf_counter()
+        self._join_hook_stream()  # the sums' copies back run on the caller's stream
+        results = self.plane.wait([b.pending for b in waiting])
+        for bucket, ok in zip(waiting, results):
+            bucket.epoch = bucket.enqueued_under if ok else None
+            bucket.pending = None
+        self.reduce_s += time.perf_counter() - started
 
     def _join_hook_stream(self) -> None:
         """[Note: hook streams] order the caller's stream after the hook's work (GPU only)."""
@@ -301,6 +341,7 @@ class BucketSync:
             self.on_bucket(index, True)
             self._reduce(bucket)
             redone += 1
+        self.wait_sums()
         return redone
 
 
