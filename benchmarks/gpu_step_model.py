@@ -16,9 +16,10 @@ Per step on one rank (S ranks per replica, R replicas, G microbatches per replic
                                      with that microbatch's backward (NCCL on its own stream):
                                      exposed = G x max(0, t_nccl - overlap x t_bwd) + t_bucket
   ReCoVer, data_plane = torch, NCCL  one reduce per step (sync on the last microbatch only),
-                                     overlapped with the last backward if the hook enqueues
-                                     it (designed, not built: [Note: hook streams]); without
-                                     overlap (as built) the whole reduce is exposed
+                                     overlapped with the last backward: the hook enqueues
+                                     it ([Note: overlapped bucket sums], overlap_reduce =
+                                     true); with overlap_reduce = false the whole reduce is
+                                     exposed
   ReCoVer, data_plane = mpi          staged D2H + MPI over TCP (IPoIB) or RDMA (btl uct) + H2D,
                                      synchronous in the hook (no overlap; the wheel has no CUDA)
   + per step: snapshots (a device copy of the shard, HBM bandwidth), the consensus (one agree,
@@ -64,8 +65,8 @@ def step_times(a, replicas: int, ranks: int, g: int) -> dict[str, float]:
         "compute": compute,
         "stock HSDP (NCCL, reduce every microbatch, overlapped)":
             compute + g * exposed(nccl, True),
-        "ReCoVer torch plane NCCL, not overlapped (as built)": compute + nccl + fixed,
-        "ReCoVer torch plane NCCL, overlapped (designed)": compute + exposed(nccl, True) + fixed,
+        "ReCoVer torch plane NCCL, overlap_reduce = false": compute + nccl + fixed,
+        "ReCoVer torch plane NCCL, overlapped (default)": compute + exposed(nccl, True) + fixed,
         "ReCoVer torch plane NCCL bf16, overlapped": compute + exposed(nccl_bf16, True) + fixed,
         "ReCoVer mpi plane TCP/IPoIB (today)": compute + staging + wire / per_rank_tcp + fixed,
         "ReCoVer mpi plane RDMA (btl uct)": compute + staging + wire / per_rank_rdma + fixed,

@@ -218,7 +218,7 @@ def main() -> None:
     parser.add_argument("--data-plane", default=None,
                         help="take the failure-free overhead from gpu_step_model.json's 1B row "
                              "for this plane (a substring of its row name, e.g. 'mpi plane TCP', "
-                             "'torch plane NCCL, not overlapped') instead of the CPU ratio")
+                             "'torch plane NCCL, overlapped') instead of the CPU ratio")
     parser.add_argument("--join-s", type=float, default=None,
                         help="replica rejoin: a lost replica is back after this many seconds "
                              "(default: the measured start-to-ready of rejoin.json + 60 s for a "
