@@ -1,7 +1,8 @@
 """The torch data plane ([Note: control plane and data plane], manager/data_plane.py), in
 process: real gloo groups between threads, the control plane faked (tests/fakes.py).
 
-What is proven here: one group per world epoch, built at the first reduce of the epoch and
+What is proven here: one group per world epoch, built at the first reduce of the epoch (a
+member lost during its rendezvous fails only that epoch) and
 rebuilt after a shrink; the sums are right; a reduce blocked on a peer that stopped (a thread
 that never calls, its sockets open, as a frozen process) is abandoned as soon as the control
 plane reports the failure and leaves the bucket untouched; an abandoned group is never used
@@ -180,6 +181,36 @@ def test_overlapped_sum_blocked_on_a_frozen_peer_is_abandoned_in_the_wait():
     for key in [(0, 0), (1, 0)]:
         epochs, mine, clean = out[key]
         assert epochs[1] is None and mine and not clean
+
+
+def test_a_member_lost_during_the_group_rendezvous_fails_only_that_epoch():
+    """Replica 2 takes part in the address exchange and dies before it joins the gloo
+    rendezvous (its group never connects): the others, blocked in the rendezvous, give it up
+    when the control plane reports the death; after the shrink the two survivors build the next
+    epoch's group and sum."""
+    from recover_hsdp.manager import rendezvous
+
+    hub = FakeHub(3)
+
+    def rank(world):
+        plane = TorchDataPlane(world, "gloo", timeout_s=30)
+        if world.replica == 2:
+            world.allgather((rendezvous.this_host(), None))  # as _build, then gone
+            time.sleep(0.5)  # the others are in the rendezvous by now
+            hub.kill(2)
+        started = time.monotonic()
+        ok = plane.reduce(_value(world.replica, 0))
+        waited = time.monotonic() - started
+        assert not world.consensus(not world.epoch_failed).clean
+        t = _value(world.replica, 1)
+        assert plane.reduce(t)
+        assert world.consensus(True).clean
+        return ok, waited, t, plane.builds
+
+    out = values_of(run_ranks(hub, rank), killed=[(2, 0)])
+    for ok, waited, t, builds in out.values():
+        assert not ok and 0.3 < waited < 5.0, waited
+        assert torch.equal(t, _value(0, 1) + _value(1, 1)) and builds == 1
 
 
 def test_bf16_on_the_wire_keeps_replicas_identical():
