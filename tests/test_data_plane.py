@@ -2,8 +2,8 @@
 process: real gloo groups between threads, the control plane faked (tests/fakes.py).
 
 What is proven here: one group per world epoch, built at the first reduce of the epoch (a
-member lost during its rendezvous fails only that epoch) and
-rebuilt after a shrink; the sums are right; a reduce blocked on a peer that stopped (a thread
+member lost during its rendezvous fails only that epoch) and rebuilt after a shrink; the sums
+are right; a reduce blocked on a peer that stopped (a thread
 that never calls, its sockets open, as a frozen process) is abandoned as soon as the control
 plane reports the failure and leaves the bucket untouched; an abandoned group is never used
 again; bf16 on the wire halves the bytes and keeps replicas identical. The real-process
