@@ -39,17 +39,18 @@ from recover_hsdp.collectives.membership import JoinOffer
 from recover_hsdp.collectives.mpi import MPI
 from recover_hsdp.collectives.world import CHUNK_BYTES, FaultTolerantWorld
 
-__all__ = ["JoinChannel", "JoinOffer", "PendingJoin", "parent_channel", "spawn"]
+__all__ = ["JoinChannel", "JoinOffer", "ParentLink", "PendingJoin", "accept", "agree",
+           "parent_link", "spawn"]
 
 
 class JoinChannel:
     """The merged communicator of one join (stages 2-3), guarded by the world's deadlines."""
 
-    def __init__(self, world: FaultTolerantWorld, merged: MPI.Comm):
+    def __init__(self, world: FaultTolerantWorld, merged: MPI.Comm | None):
         self.world, self.merged = world, merged
         self.ranks: list[int] = []        # merged rank -> original world rank
         self.processes: list[Any] = []    # merged rank -> the member's process info
-        self.ok = True
+        self.ok = merged is not None      # None: a newcomer whose connect failed
 
     # -- stage 2 ----------------------------------------------------------------------------------
     def exchange(self, offer: JoinOffer | None, world_rank: int | None, process: Any
@@ -114,11 +115,14 @@ class JoinChannel:
 
     def agree(self, ok: bool) -> bool:
         """Stage 3's fault-tolerant agreement (uniform over the live members)."""
+        if self.merged is None:
+            return False
         return self.world._agree(self.merged, ok and self.ok)
 
     def abort(self) -> None:
-        self.world._revoke(self.merged)
-        self.world._graveyard.append(self.merged)
+        if self.merged is not None:
+            self.world._revoke(self.merged)
+            self.world._graveyard.append(self.merged)
 
     def _call(self, name: str, fn) -> bool:
         if not self.ok:
@@ -135,53 +139,102 @@ class JoinChannel:
 
 
 class PendingJoin:
-    """Spawned ranks that are still starting (stage 1, survivors' side). The survivors go on
-    training meanwhile: the newcomers enter a non-blocking barrier on the inter-communicator
-    once their trainer is built, and each survivor tests it at every step (a local call)."""
+    """The spawner's side of newcomers that are starting or waiting between attempts (stage 1).
+
+    The other survivors go on training meanwhile: the newcomers enter a non-blocking barrier on
+    the inter-communicator once their trainer is built, the spawner tests it at every step (a
+    local call) and, once it completed, merges the link (spawner + newcomers)."""
 
     def __init__(self, world: FaultTolerantWorld, inter: MPI.Comm, replicas: tuple[int, ...]):
         self.world, self.inter, self.replicas = world, inter, replicas
         self.request = inter.Ibarrier()
         self.started = time.monotonic()
         self.ready_at: float | None = None
+        self.link: MPI.Comm | None = None
+        self.port: str | None = None      # sent to the newcomers, not yet accepted
 
     def test(self) -> tuple[bool, bool]:
-        """(ready, failed) as this rank sees it; the caller agrees on them across survivors."""
+        """(ready, failed) as the spawner sees it; the totals reduce agrees on them."""
+        if self.link is not None:
+            return True, False
         try:
-            ready = bool(self.request.Test())
+            if not self.request.Test():
+                return False, False
+            with self.world._guard.call("Merge(link)", self.world.deadlines.repair_s):
+                link = self.inter.Merge(high=False)
         except MPI.Exception as err:
             log_line(f"rank {self.world.world_rank}: join: newcomers failed before they were "
                      f"ready ({err.Get_error_class()})")
             return False, True
-        if ready and self.ready_at is None:
-            self.ready_at = time.monotonic()
-        return ready, False
+        link.Set_errhandler(MPI.ERRORS_RETURN)
+        self.link, self.ready_at = link, time.monotonic()
+        return True, False
 
-    def merge(self) -> JoinChannel | None:
-        """Stage 1's end, once every survivor saw the newcomers ready (collective)."""
-        try:
-            with self.world._guard.call("Merge", self.world.deadlines.repair_s):
-                merged = self.inter.Merge(high=False)
-        except MPI.Exception as err:
-            log_line(f"rank {self.world.world_rank}: join: merge failed ({err.Get_error_class()})")
-            self.abort()
-            return None
-        merged.Set_errhandler(MPI.ERRORS_RETURN)
-        self.world._graveyard.append(self.inter)
-        return JoinChannel(self.world, merged)
+    def offer_port(self) -> bool:
+        """Open a port and send it to the newcomers over the link, unless the last one is still
+        outstanding (they are connecting to it). False: the link is lost (a newcomer died)."""
+        if self.port is not None:
+            return True
+        port = MPI.Open_port()
+        if not self._send_port(port):
+            MPI.Close_port(port)
+            return False
+        self.port = port
+        return True
 
-    def abort(self) -> None:
-        """Give the newcomers up: revoking the inter-communicator ends their wait (they exit)."""
+    def accepted(self) -> None:
+        """The survivors Accepted on the port (whatever came of it): the next attempt needs a
+        new one."""
+        if self.port is not None:
+            try:
+                MPI.Close_port(self.port)
+            except MPI.Exception:
+                pass
+        self.port = None
+
+    def check(self) -> bool:
+        """After a failed attempt: agree with the newcomers (back on the link) that all of them
+        are alive. False: a newcomer died (the others exit on the same answer)."""
+        return self.link is not None and self.world._agree(self.link, True)
+
+    def abort(self, tell: bool = True) -> None:
+        """Give the newcomers up: an empty port on the link (or, before it, revoking the
+        inter-communicator) ends their wait; they exit. ``tell=False``: they are lost anyway.
+        Newcomers connecting to an outstanding port are not reached: their ``Connect``
+        deadline ends them (or the job's end)."""
+        if tell and self.link is not None and self.port is None:
+            self._send_port("")
+        self.accepted()
         self.world._revoke(self.inter)
-        self.world._graveyard.append(self.inter)
+        self.close()
+
+    def close(self) -> None:
+        """The join is over (the newcomers joined or were given up)."""
+        self.accepted()
+        self.world._graveyard += [c for c in (self.inter, self.link) if c is not None]
+
+    def _send_port(self, port: str) -> bool:
+        box = np.zeros(PORT_BYTES, dtype=np.uint8)
+        raw = port.encode()
+        box[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        try:
+            with self.world._guard.call("Bcast(port)", self.world.deadlines.call_s):
+                self.link.Bcast(box, root=0)
+            return True
+        except MPI.Exception as err:
+            log_line(f"rank {self.world.world_rank}: join: the link to the newcomers is lost "
+                     f"({err.Get_error_class()})")
+            return False
+
+
+PORT_BYTES = 1024
 
 
 def spawn(world: FaultTolerantWorld, command: str, args: list[str], replicas: tuple[int, ...],
           host: str | None = None) -> PendingJoin | None:
-    """Survivors (collective over the world's global communicator): start S ranks per replica
-    of ``replicas``. Blocks until they initialised MPI (their first act), not until they are
-    ready. None when the spawn failed (the world's epoch is then failed: the caller's next
-    consensus repairs it)."""
+    """The spawner alone (``COMM_SELF``): start S ranks per replica of ``replicas``. Blocks
+    until they initialised MPI (their first act), not until they are ready. None when the spawn
+    failed (the spawner then reports the join failed in the next totals)."""
     info = MPI.Info.Create()
     if host:
         info.Set("host", host)
@@ -189,11 +242,10 @@ def spawn(world: FaultTolerantWorld, command: str, args: list[str], replicas: tu
     started = time.monotonic()
     try:
         with world._guard.call("Spawn", world.deadlines.repair_s):
-            inter = world.global_comm.Spawn(command, args, maxprocs=count, info=info, root=0)
+            inter = MPI.COMM_SELF.Spawn(command, args, maxprocs=count, info=info, root=0)
         inter.Set_errhandler(MPI.ERRORS_RETURN)
     except MPI.Exception as err:
         log_line(f"rank {world.world_rank}: join: spawn failed ({err.Get_error_class()})")
-        world.fail_epoch("spawn failed")
         return None
     finally:
         info.Free()
@@ -202,20 +254,120 @@ def spawn(world: FaultTolerantWorld, command: str, args: list[str], replicas: tu
     return PendingJoin(world, inter, tuple(replicas))
 
 
-def parent_channel(world: FaultTolerantWorld) -> JoinChannel | None:
+def agree(world: FaultTolerantWorld, flag: bool) -> bool:
+    """Survivors: the fault-tolerant AND of ``flag`` over the world as it is (false too when a
+    survivor died since the last step)."""
+    return world._agree(world.global_comm, flag)
+
+
+def accept(world: FaultTolerantWorld, pending: PendingJoin | None, spawner: int
+           ) -> JoinChannel | None:
+    """Survivors (collective over the global communicator): ``Accept`` the newcomers' connection
+    on the spawner's port (root = world rank ``spawner``; ``pending`` is the spawner's), agree
+    that every survivor got it, ``Merge`` (survivors first). None: the attempt failed."""
+    root = _comm_rank(world, spawner)
+    port = pending.port if pending is not None else None
+    inter = None
+    try:
+        with world._guard.call("Accept", world.deadlines.repair_s):
+            inter = world.global_comm.Accept(port, root=root)
+        inter.Set_errhandler(MPI.ERRORS_RETURN)
+    except MPI.Exception as err:
+        log_line(f"rank {world.world_rank}: join: accept failed ({err.Get_error_class()})")
+        inter = None
+    if pending is not None:
+        pending.accepted()
+    if not world._agree(world.global_comm, inter is not None):
+        world._revoke(inter)  # the newcomers' merge fails: they go back to the link
+        world._graveyard += [c for c in (inter,) if c is not None]
+        return None
+    try:
+        with world._guard.call("Merge", world.deadlines.repair_s):
+            merged = inter.Merge(high=False)
+    except MPI.Exception as err:
+        log_line(f"rank {world.world_rank}: join: merge failed ({err.Get_error_class()})")
+        world._revoke(inter)
+        world._graveyard.append(inter)
+        return None
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    world._graveyard.append(inter)
+    return JoinChannel(world, merged)
+
+
+def _comm_rank(world: FaultTolerantWorld, world_rank: int) -> int:
+    """The rank of original world rank ``world_rank`` in the global communicator."""
+    comm = world.global_comm
+    group = comm.Get_group()
+    try:
+        base = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world._base_group)
+    finally:
+        group.Free()
+    return world._original_ranks(base).index(world_rank)
+
+
+class ParentLink:
+    """A newcomer's side of stage 1: the link to its spawner, kept across attempts."""
+
+    def __init__(self, world: FaultTolerantWorld, link: MPI.Comm):
+        self.world, self.link = world, link
+        self._own = MPI.COMM_WORLD.Dup()
+        self._own.Set_errhandler(MPI.ERRORS_RETURN)
+
+    def next_channel(self) -> JoinChannel | None:
+        """Wait for the spawner's next port (polled: the spawner's death ends the wait), then
+        ``Connect`` + ``Merge``. None: told to exit, or the spawner is lost."""
+        box = np.zeros(PORT_BYTES, dtype=np.uint8)
+        world = self.world
+        try:
+            request = self.link.Ibcast(box, root=0)
+            with world._guard.paused():  # the survivors send it at a later step boundary
+                while not request.Test():
+                    time.sleep(POLL_S)
+        except MPI.Exception as err:
+            log_line(f"newcomer: the spawner is lost ({err.Get_error_class()})")
+            return None
+        port = bytes(box).rstrip(b"\0").decode()
+        if not port:
+            log_line("newcomer: join given up by the job")
+            return None
+        try:
+            with world._guard.call("Connect", world.deadlines.repair_s):
+                inter = self._own.Connect(port, root=0)
+            inter.Set_errhandler(MPI.ERRORS_RETURN)
+            with world._guard.call("Merge", world.deadlines.repair_s):
+                merged = inter.Merge(high=True)
+        except MPI.Exception as err:
+            log_line(f"newcomer: connect to the survivors failed ({err.Get_error_class()})")
+            return JoinChannel(world, None)  # a failed attempt: ok is False
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        world._graveyard.append(inter)
+        return JoinChannel(world, merged)
+
+    def check(self) -> bool:
+        """After a failed attempt: the spawner's :meth:`PendingJoin.check`."""
+        return self.world._agree(self.link, True)
+
+
+POLL_S = 0.05
+
+
+def parent_link(world: FaultTolerantWorld) -> ParentLink | None:
     """Newcomers: stage 1 from the other side, once this rank's trainer is built: the barrier
-    the survivors test, then the merge. None when the survivors gave the join up."""
+    the spawner tests, then the merge into the link. None when the job gave the join up or the
+    spawner is lost."""
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
         raise RuntimeError("this process was not spawned by a recover-hsdp job")
     parent.Set_errhandler(MPI.ERRORS_RETURN)
     try:
-        with world._guard.paused():  # the survivors take it at a later step boundary
-            parent.Ibarrier().Wait()
-        with world._guard.call("Merge", world.deadlines.repair_s):
-            merged = parent.Merge(high=True)
+        request = parent.Ibarrier()
+        with world._guard.paused():  # the spawner tests it at its next step
+            while not request.Test():
+                time.sleep(POLL_S)
+        with world._guard.call("Merge(link)", world.deadlines.repair_s):
+            link = parent.Merge(high=True)
     except MPI.Exception as err:
         log_line(f"newcomer: join given up by the job ({err.Get_error_class()})")
         return None
-    merged.Set_errhandler(MPI.ERRORS_RETURN)
-    return JoinChannel(world, merged)
+    link.Set_errhandler(MPI.ERRORS_RETURN)
+    return ParentLink(world, link)

@@ -26,6 +26,7 @@ next attempt is ``respawn_after_steps`` later (or at the next request).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -68,6 +69,24 @@ def join_requests(out_dir: Path) -> list[Path]:
     return sorted(folder.glob("*.json")) if folder.is_dir() else []
 
 
+JOIN_ATTEMPTS = 3
+"""How many boundaries may try to complete one started join ([Note: rejoin at a boundary])."""
+
+
+@dataclasses.dataclass
+class StartedJoin:
+    """A join whose newcomers were started, as every survivor knows it (agreed facts only)."""
+
+    replicas: tuple[int, ...]
+    spawner: int                  # the spawner's original world rank
+    step_started: int
+    pending: Any = None           # the spawner's PendingJoin (None on the other survivors)
+    failed_here: bool = False     # the spawner: the spawn failed or the newcomers are lost
+    attempts: int = 0
+    requests: list[Path] = dataclasses.field(default_factory=list)
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 class CollectiveJoins:
     """The join primitives of the collectives layer ([Note: rejoin] in collectives/join.py);
     in-process tests pass the fake world's instead."""
@@ -79,10 +98,22 @@ class CollectiveJoins:
         return spawn(world, command, args, replicas, host=host)
 
     @staticmethod
-    def parent_channel(world):
-        from recover_hsdp.collectives.join import parent_channel
+    def agree(world, flag: bool) -> bool:
+        from recover_hsdp.collectives.join import agree
 
-        return parent_channel(world)
+        return agree(world, flag)
+
+    @staticmethod
+    def accept(world, pending, spawner: int):
+        from recover_hsdp.collectives.join import accept
+
+        return accept(world, pending, spawner)
+
+    @staticmethod
+    def parent_link(world):
+        from recover_hsdp.collectives.join import parent_link
+
+        return parent_link(world)
 
     @staticmethod
     def offer(*args, **kwargs):
@@ -121,46 +152,50 @@ class Rejoin:
         self.requests_seen = 0       # agreed in the last committed step's totals
         self._lost_since: int | None = None
         self._alive_before: int | None = None
-        self._pending = None         # a PendingJoin while newcomers start
-        self._pending_requests: list[Path] = []
-        self._record: dict[str, Any] = {}
-        self._ready = False          # every survivor saw the newcomers ready (agreed, ditto)
-        self._failed = False
+        self._join: StartedJoin | None = None
+        self._ready = False          # the spawner saw the newcomers ready (agreed, ditto)
+        self._failed = False         # the spawner saw them lost (agreed, ditto)
 
     # ---------------------------------------------------------------- survivors
 
     def totals(self) -> tuple[float, float, float]:
         """This rank's share of the step's totals: (join requests seen by the writer,
-        newcomers ready as this rank sees them, newcomers failed as this rank sees them)."""
+        newcomers ready as the spawner sees them, newcomers lost as the spawner sees them)."""
         requests = len(join_requests(self.out_dir)) if self.writer.is_writer else 0
         ready = failed = False
-        if self._pending is not None:
-            ready, failed = self._pending.test()
-            if not ready and time.monotonic() - self._pending.started > \
-                    self.world.deadlines.repair_s:  # newcomers that never get ready
-                failed = True
+        join = self._join
+        if join is not None and (join.pending is not None or join.failed_here):
+            failed = join.failed_here
+            if not failed:
+                ready, failed = join.pending.test()
+                if not ready and time.monotonic() - join.pending.started > \
+                        self.world.deadlines.repair_s:  # newcomers that never get ready
+                    failed = True
         return float(requests), float(ready), float(failed)
 
     def agree_totals(self, requests: float, ready: float, failed: float) -> None:
         """The committed step's sums of :meth:`totals` (identical on every rank)."""
-        ranks = len(self.world.alive_replicas) * self.world.layout.ranks_per_replica
         self.requests_seen = int(requests)
-        self._ready = self._pending is not None and int(ready) == ranks
-        self._failed = self._pending is not None and failed > 0
+        self._ready = self._join is not None and ready > 0
+        self._failed = self._join is not None and failed > 0
 
     def maybe_admit(self, step: int, work: JoinWork, policy: WorkloadPolicy) -> None:
-        """Survivors, before ``step``: start replacements when a join is due, complete a
-        started join once every survivor saw them ready."""
+        """Survivors, before ``step``: start replacements when a join is due, try to complete
+        a started join once the spawner saw them ready."""
         alive = self.world.alive_replicas
         lost = self._alive_before is not None and len(alive) < self._alive_before
         self._alive_before = len(alive)
         if lost:
             self._lost_since = step
-        if self._pending is not None:
-            if lost or self._failed:  # a death since: the join's communicator holds it
-                self._give_up(step, "a process died while the newcomers started")
+        join = self._join
+        if join is not None:
+            s = self.world.layout.ranks_per_replica
+            if join.spawner // s not in alive:  # the newcomers' only link
+                self._give_up(step, "the spawner died: the newcomers' link is lost")
+            elif self._failed:
+                self._give_up(step, "the newcomers died or never got ready")
             elif self._ready:
-                self._complete(step, work, policy)
+                self._attempt(step, work, policy)
             return
         missing = [r for r in range(policy.initial_replicas) if r not in alive]
         if not missing:
@@ -178,49 +213,67 @@ class Rejoin:
 
     def abandon(self, step: int) -> None:
         """The run ends with newcomers still starting: they are told to exit."""
-        if self._pending is not None:
-            self._give_up(step, "the run ended before the newcomers were ready")
+        if self._join is not None:
+            self._give_up(step, "the run ended before the newcomers joined")
 
     def _start(self, step: int, work: JoinWork, replicas: list[int]) -> None:
+        """The spawner (shard 0 of the lowest alive replica: the writer) starts the newcomers;
+        every survivor records the join."""
         started = time.perf_counter()
-        requests = join_requests(self.out_dir)[:len(replicas)] if self.writer.is_writer else []
-        host = json.loads(requests[0].read_text()).get("host") if requests else None
-        command, args = work.spawn_command(replicas)
-        self._pending = self.joins.spawn(self.world, command, args, tuple(replicas),
-                                         host=host or None)
-        self._pending_requests = requests
-        self._ready = self._failed = False
-        self._record = {"phase": "join", "step_started": step, "requested_replicas": replicas,
-                        "spawn_stall_s": time.perf_counter() - started}
-        if self._pending is None:
-            _finish_requests(requests, False)
+        world = self.world
+        spawner = min(world.alive_replicas) * world.layout.ranks_per_replica
+        join = StartedJoin(tuple(replicas), spawner, step)
+        if world.world_rank == spawner:
+            requests = join_requests(self.out_dir)[:len(replicas)]
+            host = json.loads(requests[0].read_text()).get("host") if requests else None
+            command, args = work.spawn_command(replicas)
+            join.pending = self.joins.spawn(world, command, args, tuple(replicas),
+                                            host=host or None)
+            join.failed_here = join.pending is None
+            join.requests = requests
+        self._join, self._ready, self._failed = join, False, False
+        join.record = {"phase": "join", "step_started": step, "requested_replicas": replicas,
+                       "spawner_rank": spawner, "spawn_stall_s": time.perf_counter() - started}
 
     def _give_up(self, step: int, reason: str) -> None:
-        self._pending.abort()
-        self._pending = None
-        _finish_requests(self._pending_requests, False)
-        self._log({**self._record, "step": step, "ok": False, "reason": reason,
-                   "joined_replicas": [], "epoch": self.world.epoch,
+        join, self._join = self._join, None
+        if join.pending is not None:
+            join.pending.abort(tell=not join.failed_here)
+        _finish_requests(join.requests, False)
+        self._log({**join.record, "step": step, "ok": False, "reason": reason,
+                   "attempts": join.attempts, "joined_replicas": [], "epoch": self.world.epoch,
                    "alive_replicas": list(self.world.alive_replicas), "join_stall_s": 0.0})
 
-    def _complete(self, step: int, work: JoinWork, policy: WorkloadPolicy) -> None:
-        """Stages 2-4 on a survivor: merge, offer, state (the donor), agree, grow."""
-        world, pending = self.world, self._pending
-        self._pending = None
+    def _attempt(self, step: int, work: JoinWork, policy: WorkloadPolicy) -> None:
+        """Stages 2-4 on a survivor: the port, accept + merge, offer, state (the donor), agree,
+        grow. A failed attempt keeps the join for the next boundary (bounded)."""
+        world, join = self.world, self._join
+        join.attempts += 1
+        self._ready = False
         started = time.perf_counter()
-        replicas = list(pending.replicas)
-        record = {**self._record, "step": step, "joined_replicas": [],
-                  "start_to_ready_s": (pending.ready_at or time.monotonic()) - pending.started,
+        replicas = list(join.replicas)
+        pending = join.pending
+        record = {**join.record, "step": step, "attempt": join.attempts, "joined_replicas": [],
                   "epoch_before": world.epoch}
-        channel = pending.merge()
-        ok = channel is not None
+        if pending is not None:
+            record["start_to_ready_s"] = (pending.ready_at or time.monotonic()) - pending.started
+        assert not set(replicas) & set(world.alive_replicas), "a join takes missing ids only"
+        link_ok = pending.offer_port() if pending is not None else True
+        go = self.joins.agree(world, link_ok)
+        channel, ok = None, False
+        if go:
+            channel = self.joins.accept(world, pending, join.spawner)
+            ok = channel is not None
         if ok:
-            donor = min(world.alive_replicas)
+            donor = _donor(world.alive_replicas, join.spawner // world.layout.ranks_per_replica)
             offer = self.joins.offer(
                 world.epoch, world.alive_replicas, tuple(replicas),
                 world.layout.ranks_per_replica, world.layout.num_replicas, donor,
                 payload={"step": step, "arbiter": world.arbiter_dir,
-                         "step_started": record["step_started"]})
+                         "step_started": join.step_started,
+                         "lost_since": self._lost_since})  # the newcomers' respawn clock
+            record.update(donor=donor, bytes_per_donor_rank=sum(  # the same on every replica
+                int(b.nbytes) for b in work.join_tensors()))
             ok = channel.exchange(offer, world.world_rank, ProcessInfo.current()) is not None
             if ok and world.replica == donor:
                 moved, transfer_s, ok = self._send_state(channel, work, replicas, policy)
@@ -235,12 +288,25 @@ class Rejoin:
                 channel.abort()
         if ok:
             record["joined_replicas"] = replicas
-        _finish_requests(self._pending_requests, ok)
+            self._join = None
+            _finish_requests(join.requests, True)
+            if pending is not None:
+                pending.close()
+        elif pending is not None and not link_ok:
+            join.failed_here = True  # a newcomer died: said in the next totals
+        elif pending is not None and go:  # the newcomers are back on the link: all there?
+            join.failed_here = not pending.check()
+        reason = None if ok else ("a survivor died before the accept" if not go
+                                  else "a process died during the join")
         record.update(ok=ok, epoch=world.epoch, alive_replicas=list(world.alive_replicas),
                       join_stall_s=time.perf_counter() - started)
+        if not ok:
+            record["reason"] = reason
         self._log(record)  # by the writer before the join, which may hand its duty over
         if ok:
             self._joined(channel, replicas, policy)
+        elif join.attempts >= JOIN_ATTEMPTS:
+            self._give_up(step, f"{JOIN_ATTEMPTS} attempts failed")
 
     def _send_state(self, channel, work: JoinWork, replicas, policy: WorkloadPolicy):
         # copying a model's whole state is long work without beats; its sends keep deadlines
@@ -262,7 +328,7 @@ class Rejoin:
             peer = r * s + self.world.shard
             ok = ok and channel.send(meta, peer)
             # phase=join, step=N: mid-transfer of the join started before step N (tests)
-            self.phases.point(self._record["step_started"], Phase.JOIN)
+            self.phases.point(self._join.step_started, Phase.JOIN)
             ok = ok and channel.send_bytes(flat, peer)
         return int(flat.size), time.perf_counter() - started, ok
 
@@ -296,20 +362,33 @@ class Rejoin:
         aborted."""
         world = self.world
         started = time.perf_counter()
-        channel = self.joins.parent_channel(world)
-        offer = channel.exchange(None, None, ProcessInfo.current()) if channel else None
-        meta = self._receive_state(channel, offer, work) if offer is not None else None
-        ok = channel is not None and channel.agree(meta is not None)
-        if ok:
-            ok = world.grow(channel.merged, channel.ranks,
-                            tuple(offer.alive_replicas) + tuple(offer.new_replicas),
-                            offer.num_replicas, offer.epoch)
-        if not ok:
+        link = self.joins.parent_link(world)
+        joined = False
+        for attempt in range(1, JOIN_ATTEMPTS + 1):  # the survivors give up after as many
+            channel = link.next_channel() if link is not None else None
+            if channel is None:  # told to exit, or the spawner is lost
+                break
+            offer = channel.exchange(None, None, ProcessInfo.current())
+            meta = self._receive_state(channel, offer, work) if offer is not None else None
+            joined = channel.agree(meta is not None)
+            if joined:
+                joined = world.grow(channel.merged, channel.ranks,
+                                    tuple(offer.alive_replicas) + tuple(offer.new_replicas),
+                                    offer.num_replicas, offer.epoch)
+            if joined:
+                break
+            channel.abort()
+            print(f"[recover-hsdp] newcomer rank {world.world_rank}: join attempt {attempt} "
+                  "failed; waiting for the next", flush=True)
+            if not link.check():  # another newcomer died (or the spawner)
+                break
+        if not joined:
             print(f"[recover-hsdp] newcomer rank {world.world_rank}: join aborted; exiting",
                   flush=True)
             world.close()
             self.joins.exit_newcomer()
         policy = WorkloadPolicy.from_state_dict(meta["policy"])
+        self._lost_since = offer.payload.get("lost_since")  # agreed, as on the survivors
         self.writer.ledger_records[:] = meta["ledger"]
         self.processes.table[:] = meta["procs"]
         self.outputs.steps, self.outputs.events = list(meta["steps"]), list(meta["events"])
@@ -367,3 +446,10 @@ def _finish_requests(requests: list[Path], ok: bool) -> None:
             os.replace(path, done / path.name)
         except OSError:
             pass
+
+
+def _donor(alive: tuple[int, ...], spawner_replica: int) -> int:
+    """The replica whose ranks send the state: the lowest alive one that is not the spawner's
+    (its death mid-transfer then leaves the newcomers' link intact), else the spawner's."""
+    others = [r for r in alive if r != spawner_replica]
+    return min(others) if others else spawner_replica
