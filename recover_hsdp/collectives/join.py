@@ -1,29 +1,45 @@
-"""Replica rejoin at the MPI level: survivors spawn replacement ranks and merge them in.
+"""Replica rejoin at the MPI level: one survivor spawns replacement ranks, the world meets them.
 
 [Note: rejoin] A lost replica comes back as new processes, at a step boundary, in four stages;
-the first three use a side channel (the merged inter-communicator) and leave the world's
-communicators untouched, so a failure there aborts the join and nothing else:
+the first three use side channels and leave the world's communicators untouched, so a failure
+there fails one attempt and nothing else:
 
-  1. spawn + merge: the survivors' global communicator ``MPI_Comm_spawn``s S x k processes
-     (k replicas, each on the replica ids of dead ones) through PRRTE and both sides
-     ``Merge`` the inter-communicator (survivors first, newcomers after);
-  2. offer: the survivors' first rank broadcasts the join offer (epoch, alive replicas, the
-     replica ids the newcomers take, an opaque payload: the step, the policy, ...); every member
-     gathers every member's (original world rank, process) into the rank table;
-  3. state: the caller moves the replica state from a donor to the newcomers over the merged
-     communicator (:meth:`JoinChannel.send` / :meth:`JoinChannel.recv`, chunked, guarded) and
-     checks it; then a fault-tolerant agreement on the merged communicator: all ok or the
-     join is aborted (survivors go on with their old world; the newcomers exit);
-  4. grow: ``FaultTolerantWorld.grow`` (``growth.py``) makes the merged communicator the global
-     one, builds the shard communicators and bumps the epoch, under one more agreement.
+  1. spawn + link: one survivor, the spawner, ``MPI_Comm_spawn``s S x k processes from its
+     ``COMM_SELF`` (k replicas, each on the replica ids of dead ones) through PRRTE; once they
+     are ready (a non-blocking barrier the spawner tests) both sides ``Merge`` that
+     inter-communicator into the link (spawner + newcomers), kept across attempts;
+  2. meet + offer: at a boundary the spawner ``Open_port``s and sends the port over the link;
+     one agreement on the world says every survivor is there; the world as it is now
+     ``Accept``s (root = the spawner), the newcomers' own world ``Connect``s, both ``Merge``
+     (survivors first): the attempt's channel. Its first rank broadcasts the join offer (epoch,
+     alive replicas, the replica ids the newcomers take, a payload: the step, the policy, ...);
+     every member gathers every member's (original world rank, process) into the rank table;
+  3. state: the caller moves the replica state from a donor to the newcomers over the channel
+     (:meth:`JoinChannel.send` / :meth:`JoinChannel.recv`, chunked, guarded) and checks it;
+     then a fault-tolerant agreement on the channel: all ok, or the attempt failed;
+  4. grow: ``FaultTolerantWorld.grow`` (``growth.py``) makes the channel the global
+     communicator, builds the shard communicators and bumps the epoch, under one more agreement.
 
-A death of the donor, of a survivor or of a newcomer during 1-3 makes the agreement fail
-uniformly (ULFM's agreement tolerates failed participants). A survivor's death also surfaces,
-as usual, in the next step's collectives on the old world. Why spawn and not
-``MPI_Comm_connect/accept`` between separately started jobs: on this stack (Open MPI 5.0.x,
-PRRTE 3.0.x) a ``Connect`` from a second ``mpirun`` to a port opened by the job hung (30 s,
-measured) and ``prterun --dvm`` segfaulted: two ``mpirun`` s do not share a PMIx server, so
-``recover-hsdp join`` asks the job to spawn onto a host instead (same protocol).
+Only the spawner is in the newcomers' start-up communicator, so a survivor that is not the
+spawner may die while they start (or between attempts): the world repairs as usual and meets
+them as it is at a later boundary. A death during 2-3 (the donor's too) makes the channel's
+agreement fail uniformly (ULFM's agreement tolerates failed participants); the newcomers go
+back to the link and the spawner and they agree on it that all of them are alive
+(:meth:`PendingJoin.check`): yes, they wait for the next port (the caller retries, bounded);
+no, a newcomer died and they exit. A survivor that died before the accept fails step 2's
+agreement: nobody accepts, the newcomers stay connecting to the same port, accepted at the next
+boundary. What still ends a join: the spawner's death (the link is the newcomers' only tie to
+the job: they see ``MPI_ERR_PROC_FAILED`` on it at once, measured, and exit 0) and a newcomer's
+own death. Residual: a death inside the ``Accept`` itself can leave the newcomers in
+``Connect`` / ``Merge``; their deadline (``repair_s``) ends them.
+
+Measured on this stack (docs/ULFM_NOTES.md, docs/probes/join22/): spawning from the survivors'
+global communicator put every survivor into the newcomers' inter-communicator (any death
+aborted the join), ``Shrink`` of an inter-communicator hung and ``Create_intercomm`` segfaulted
+in coll/han; port + ``Accept``/``Connect`` within one job works. Why not ``Connect`` from a
+separately started job: a second ``mpirun`` does not share the job's PMIx server (a
+``Connect`` hung 30 s; ``prterun --dvm`` segfaulted), so ``recover-hsdp join`` asks the job to
+spawn onto a host instead (same protocol).
 """
 
 from __future__ import annotations

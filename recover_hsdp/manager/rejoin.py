@@ -5,38 +5,47 @@ facts only: the replicas missing (W_init minus the alive ones), how many steps a
 lost (``[recover] respawn_after_steps``), and the operator's join requests counted by the writer;
 the counts ride along in every step's totals reduce (no extra collective). When a join is due:
 
-  1. start: the survivors spawn S ranks per missing replica (the replica ids of dead ones;
-     ``MPI_Comm_spawn`` blocks only until they initialised MPI) and go on training while the
-     newcomers build their trainer; each survivor tests, at every step, the non-blocking
-     barrier the newcomers enter once ready, and the totals reduce agrees on it;
-  2. at the first boundary after every survivor saw them ready, the join completes
-     ([Note: rejoin] in recover_hsdp/collectives/join.py: merge, offer, state, grow): the donor
-     (the writer's replica, rank s for shard s) sends each newcomer rank s its state:
+  1. start: the spawner (shard 0 of the lowest alive replica: the writer) spawns S ranks per
+     missing replica (the replica ids of dead ones; ``MPI_Comm_spawn`` blocks only the spawner,
+     only until they initialised MPI); every survivor records the join (ids, spawner, step)
+     and goes on training while the newcomers build their trainer; the spawner tests, at every
+     step, the barrier the newcomers enter once ready, and the totals reduce agrees on it;
+  2. at the first boundary after the spawner saw them ready, an attempt ([Note: rejoin] in
+     recover_hsdp/collectives/join.py: port, accept, offer, state, grow) with the world as it is
+     then: the donor (the lowest alive replica that is not the spawner's, so that its death
+     leaves the newcomers' link; rank s for shard s) sends each newcomer rank s its state:
      parameters and optimizer state (this rank's local shards, in a fixed order), LR
-     schedulers, tokens seen, the policy, the run's metrics / ledger history and process
-     table; the newcomer checks a checksum of its parameters against the donor's;
-  3. one agreement: all ok, or the join is aborted (newcomers exit, survivors go on with their
-     old world; a survivor that died is found by the next step as any death);
+     schedulers, tokens seen, the policy, the run's metrics / ledger history, process table
+     and respawn clock; the newcomer checks a checksum of its parameters against the donor's;
+  3. one agreement: all ok, or the attempt failed (survivors go on with their old world; a
+     survivor that died is found by the next step as any death). The started newcomers are
+     kept: they go back to their spawner, the next boundary tries again (a new donor if the
+     donor died), at most ``JOIN_ATTEMPTS`` times;
   4. the world grows (new epoch, alive replicas + newcomers); the policy admits them, so G
      goes back toward G_init with B unchanged (``WorkloadPolicy.admit``).
-The survivors stall only for 2-4 (and the spawn call of 1), not for the newcomers' start-up.
-A death of the donor, a survivor or a newcomer during the join aborts it, never the job; the
-next attempt is ``respawn_after_steps`` later (or at the next request).
+The survivors stall only for 2-4 (and the spawner for the spawn call of 1), not for the
+newcomers' start-up. A survivor's death while the newcomers start or between attempts keeps
+the join (the ids they take are still missing: only a join brings a replica back, one at a
+time); what gives it up: the spawner's death (the newcomers see it and exit), a newcomer's
+death (the spawner's check after the attempt, or its test before they were ready), newcomers
+not ready within ``repair_s``, ``JOIN_ATTEMPTS`` failed attempts, the end of the run. The next
+join is then ``respawn_after_steps`` after the start of this one (or at the next request).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 
 from recover_hsdp.collectives.processes import ProcessInfo
 from recover_hsdp.manager.failures import forget_reasons
+from recover_hsdp.manager.join_parts import (JOIN_ATTEMPTS, CollectiveJoins, JoinWork,
+                                             StartedJoin, join_requests)
 from recover_hsdp.manager.local_processes import LocalProcesses
 from recover_hsdp.manager.phases import PhaseHooks
 from recover_hsdp.manager.writer import WriterDuties
@@ -44,87 +53,6 @@ from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.phases import Phase
 from recover_hsdp.workload import WorkloadPolicy
 
-JOIN_DIR = "join"
-
-
-class JoinWork(Protocol):
-    """What the trainer provides for a join (one rank)."""
-
-    def join_meta(self) -> dict[str, Any]:
-        """Picklable replica state besides tensors (step, schedulers, tokens seen, ...)."""
-
-    def load_join_meta(self, meta: dict[str, Any]) -> None: ...
-
-    def join_tensors(self) -> list[np.ndarray]:
-        """This rank's state tensors (parameters, then optimizer state) as writable numpy
-        views, in an order that is the same on every replica."""
-
-    def spawn_command(self, replicas: list[int]) -> tuple[str, list[str]]:
-        """The program and arguments that start one replacement rank of ``replicas``."""
-
-
-def join_requests(out_dir: Path) -> list[Path]:
-    """Pending operator requests (``recover-hsdp join``), oldest first."""
-    folder = out_dir / JOIN_DIR / "requests"
-    return sorted(folder.glob("*.json")) if folder.is_dir() else []
-
-
-JOIN_ATTEMPTS = 3
-"""How many boundaries may try to complete one started join ([Note: rejoin at a boundary])."""
-
-
-@dataclasses.dataclass
-class StartedJoin:
-    """A join whose newcomers were started, as every survivor knows it (agreed facts only)."""
-
-    replicas: tuple[int, ...]
-    spawner: int                  # the spawner's original world rank
-    step_started: int
-    pending: Any = None           # the spawner's PendingJoin (None on the other survivors)
-    failed_here: bool = False     # the spawner: the spawn failed or the newcomers are lost
-    attempts: int = 0
-    requests: list[Path] = dataclasses.field(default_factory=list)
-    record: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-class CollectiveJoins:
-    """The join primitives of the collectives layer ([Note: rejoin] in collectives/join.py);
-    in-process tests pass the fake world's instead."""
-
-    @staticmethod
-    def spawn(world, command: str, args: list[str], replicas: tuple[int, ...], host=None):
-        from recover_hsdp.collectives.join import spawn
-
-        return spawn(world, command, args, replicas, host=host)
-
-    @staticmethod
-    def agree(world, flag: bool) -> bool:
-        from recover_hsdp.collectives.join import agree
-
-        return agree(world, flag)
-
-    @staticmethod
-    def accept(world, pending, spawner: int):
-        from recover_hsdp.collectives.join import accept
-
-        return accept(world, pending, spawner)
-
-    @staticmethod
-    def parent_link(world):
-        from recover_hsdp.collectives.join import parent_link
-
-        return parent_link(world)
-
-    @staticmethod
-    def offer(*args, **kwargs):
-        from recover_hsdp.collectives.join import JoinOffer
-
-        return JoinOffer(*args, **kwargs)
-
-    @staticmethod
-    def exit_newcomer() -> None:
-        """An aborted join ends the newcomer (exit 0: mpirun must not end the job for it)."""
-        os._exit(0)
 
 
 class Rejoin:
