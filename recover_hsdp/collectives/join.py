@@ -234,8 +234,9 @@ class PendingJoin:
         raw = port.encode()
         box[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         try:
-            with self.world._guard.call("Bcast(port)", self.world.deadlines.call_s):
-                self.link.Bcast(box, root=0)
+            with self.world._guard.call("Ibcast(port)", self.world.deadlines.call_s):
+                self.link.Ibcast(box, root=0).Wait()  # the newcomers' Ibcast: a blocking
+                # Bcast never matches a non-blocking one (measured: the port never arrived)
             return True
         except MPI.Exception as err:
             log_line(f"rank {self.world.world_rank}: join: the link to the newcomers is lost "

@@ -82,7 +82,7 @@ for attempt in range(3):
     if rank == 0:
         port = MPI.Open_port()
         box = np.zeros(256, dtype=np.uint8); box[:len(port)] = np.frombuffer(port.encode(), np.uint8)
-        link.Bcast(box, root=0)
+        link.Ibcast(box, root=0).Wait()  # the children's Ibcast
     if MODE == "gone" and rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     t = time.time()
