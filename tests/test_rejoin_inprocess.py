@@ -311,9 +311,9 @@ def test_newcomer_dies_while_starting(tmp_path):
 
 
 @pytest.mark.parametrize("start_steps", [0, 3])
-def test_join_waits_for_every_survivor_to_see_the_newcomers_ready(tmp_path, start_steps):
-    """The join completes at the first boundary after the step whose totals agreed they were
-    ready: start_steps steps of training while the newcomers start."""
+def test_join_waits_until_the_spawner_saw_the_newcomers_ready(tmp_path, start_steps):
+    """The join completes at the first boundary after the step whose totals agreed that the
+    spawner saw them ready: start_steps steps of training while the newcomers start."""
     hub, joins, results = run_rejoin_job(
         tmp_path, replicas=3, g=1, steps=9, start_steps=start_steps,
         faults=["replica=1,step=2,phase=backward"])
