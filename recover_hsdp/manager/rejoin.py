@@ -203,11 +203,15 @@ class Rejoin:
             record.update(donor=donor, bytes_per_donor_rank=sum(  # the same on every replica
                 int(b.nbytes) for b in work.join_tensors()))
             ok = channel.exchange(offer, world.world_rank, ProcessInfo.current()) is not None
+            sending = time.perf_counter()
             if ok and world.replica == donor:
-                moved, transfer_s, ok = self._send_state(channel, work, replicas, policy)
-                record.update(bytes_per_donor_rank=moved, transfer_s=transfer_s,
-                              transfer_mb_per_s=moved / 1e6 / transfer_s if transfer_s else None)
+                _, _, ok = self._send_state(channel, work, replicas, policy)
             ok = channel.agree(ok)
+            # the donor's copy, as every survivor waits for it (the writer is rarely the donor)
+            transfer_s = time.perf_counter() - sending
+            moved = record["bytes_per_donor_rank"]
+            record.update(transfer_s=transfer_s,
+                          transfer_mb_per_s=moved / 1e6 / transfer_s if transfer_s else None)
             if ok:
                 ok = world.grow(channel.merged, channel.ranks,
                                 tuple(world.alive_replicas) + tuple(replicas),
