@@ -176,11 +176,12 @@ def test_respawn_4x1(tmp_path):
     assert join["ok"] and join["joined_replicas"] == [1] and join["step"] == 6
     assert join["step_started"] == 4 and join["bytes_per_donor_rank"] > 0
     assert works[(1, 0, 1)].first_step == 6
-    check_transfer(works, (1, 0, 1), (0, 0))
+    assert join["donor"] == 2  # the lowest alive replica that is not the spawner's (0)
+    check_transfer(works, (1, 0, 1), (2, 0))
     metrics = _jsonl(tmp_path / "metrics.jsonl")
     assert [m["alive_replicas"] for m in metrics] == [4, 3, 3, 3, 3, 4, 4]
     assert [m["g"] for m in metrics] == [1, 1, 2, 2, 2, 1, 1]  # step 2 keeps its plan's G
-    assert joins.spawned == [("recover-hsdp-newcomer", ["1"], (1,))]
+    assert joins.spawned == [("recover-hsdp-newcomer", ["1"], (1,), 0)]  # by rank 0 alone
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["joins"] == 1 and summary["failures"] == 1 and summary["alive_replicas"] == 4
     assert hub.epoch == 2 and hub.layout.alive_replicas == (0, 1, 2, 3)
@@ -188,45 +189,88 @@ def test_respawn_4x1(tmp_path):
 
 def test_newcomer_killed_mid_transfer_aborts_the_join_only(tmp_path):
     """The newcomer dies after the donor's header, before the tensors (``phase=join`` of the
-    join started before step 4): the join before step 6 is aborted, the survivors go on with
-    B every step, and the next attempt (respawned before step 7) brings replica 1 back."""
+    join started before step 4): the attempt before step 6 fails, the spawner's check of the
+    link finds the newcomer dead, the join is given up before step 7 (a newcomer's own death
+    is not survived), and the next respawn (before step 8) brings replica 1 back."""
     hub, joins, results = run_rejoin_job(
         tmp_path, replicas=4, g=1, steps=10,
         faults=["replica=1,step=2,phase=grad_sync,bucket=1", "replica=1,step=4,phase=join"])
     works = values_of(results, killed=[(1, 0), (1, 0, 1)])
     assert sorted(works) == [(0, 0), (1, 0, 2), (2, 0), (3, 0)]
-    failed, joined = check(tmp_path, works, replicas=4, steps=10, g_init=1)
+    failed, given_up, joined = check(tmp_path, works, replicas=4, steps=10, g_init=1)
     assert not failed["ok"] and failed["joined_replicas"] == [] and failed["step"] == 6
     assert failed["step_started"] == 4 and failed["alive_replicas"] == [0, 2, 3]
-    assert joined["ok"] and joined["step_started"] == 7 and joined["step"] == 9
-    check_transfer(works, (1, 0, 2), (0, 0))
+    assert not given_up["ok"] and given_up["step"] == 7 and "newcomers died" in given_up["reason"]
+    assert joined["ok"] and joined["step_started"] == 8 and joined["step"] == 10
+    check_transfer(works, (1, 0, 2), (2, 0))
     # the newcomer's death revoked its own epoch (-1), not the survivors' world
     assert [f for f in hub.failures if f[1] == -1] == [(1, -1, "replica 1 shard 0 killed")]
     assert hub.epoch == 2  # the loss and the one join that grew: the abort changed nothing
 
 
-def test_donor_killed_mid_transfer_aborts_the_join_and_loses_its_replica(tmp_path):
-    """The donor (replica 0, the writer's) dies mid-transfer: the join is aborted, the newcomer
-    exits, the next step finds the donor's death (replica 0 gone, the writer's duty moves);
-    later both lost replicas come back in one join, replica 0 as the writer again."""
+def test_donor_killed_mid_transfer_is_retried_with_a_new_donor(tmp_path):
+    """The donor (replica 2) dies mid-transfer of the attempt before step 6: that attempt
+    fails, the survivors repair (replica 2 gone) but the started newcomer is kept: it goes back
+    to its link, and the next boundary's attempt completes with a new donor (replica 3). Then
+    replica 2 is respawned and joins too: 4 of 4, G back to 1, B every step."""
     hub, joins, results = run_rejoin_job(
-        tmp_path, replicas=4, g=1, steps=11,
-        faults=["replica=1,step=2,phase=grad_sync,bucket=1", "replica=0,step=4,phase=join"])
-    works = values_of(results, killed=[(1, 0), (0, 0)], retired=[(1, 0, 1)])
-    assert sorted(works) == [(0, 0, 1), (1, 0, 2), (2, 0), (3, 0)]
-    assert joins.exited == [(1, 0)]
-    failed, joined = check(tmp_path, works, replicas=4, steps=11, g_init=1)
-    assert not failed["ok"] and failed["step"] == 6 and failed["step_started"] == 4
+        tmp_path, replicas=4, g=1, steps=12,
+        faults=["replica=1,step=2,phase=grad_sync,bucket=1", "replica=2,step=4,phase=join"])
+    works = values_of(results, killed=[(1, 0), (2, 0)])
+    assert sorted(works) == [(0, 0), (1, 0, 1), (2, 0, 1), (3, 0)]
+    assert joins.exited == [] and len(joins.spawned) == 2  # the first newcomer was kept
+    failed, retried, second = check(tmp_path, works, replicas=4, steps=12, g_init=1)
+    assert not failed["ok"] and failed["step"] == 6 and failed["donor"] == 2
+    assert retried["ok"] and retried["step"] == 7 and retried["attempt"] == 2
+    assert retried["step_started"] == 4 and retried["donor"] == 3
+    assert retried["joined_replicas"] == [1] and retried["alive_replicas"] == [0, 1, 3]
+    assert second["ok"] and second["joined_replicas"] == [2] and second["step"] == 10
     metrics = _jsonl(tmp_path / "metrics.jsonl")
-    assert [m["alive_replicas"] for m in metrics] == [4, 3, 3, 3, 3, 2, 2, 2, 2, 4, 4]
+    assert [m["alive_replicas"] for m in metrics] == [4, 3, 3, 3, 3, 2, 3, 3, 3, 4, 4, 4]
     deaths = [e for e in _jsonl(tmp_path / "events.jsonl") if e.get("dead_replicas")]
-    assert [(e["step"], e["dead_replicas"]) for e in deaths] == [(2, [1]), (6, [0])]
-    assert joined["ok"] and joined["joined_replicas"] == [0, 1] and joined["step"] == 10
-    assert joined["step_started"] == 8  # the survivors' record, once (the new writer's is shorter)
-    check_transfer(works, (0, 0, 1), (2, 0))
-    check_transfer(works, (1, 0, 2), (2, 0))
+    assert [(e["step"], e["dead_replicas"]) for e in deaths] == [(2, [1]), (6, [2])]
+    check_transfer(works, (2, 0, 1), (1, 0, 1))
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["joins"] == 1 and summary["failures"] == 2
+    assert summary["joins"] == 2 and summary["failures"] == 2
+
+
+def test_survivor_death_while_the_newcomer_starts_keeps_the_join(tmp_path):
+    """Issue 22's scenario: replica 3 dies at step 2, its newcomer is spawned before step 5
+    (``respawn_after_steps = 2``); replica 2 (not the spawner) dies in step 6 while it starts.
+    The world repairs as usual, the join is kept and completes before step 7 with the world as
+    it is then (replica 3 still a missing id); replica 2 comes back later: 4 of 4."""
+    hub, joins, results = run_rejoin_job(
+        tmp_path, replicas=4, g=1, steps=14, respawn=2, start_steps=2,
+        faults=["replica=3,step=2,phase=forward", "replica=2,step=6,phase=forward"])
+    works = values_of(results, killed=[(3, 0), (2, 0)])
+    assert sorted(works) == [(0, 0), (1, 0), (2, 0, 1), (3, 0, 1)]
+    assert joins.exited == [] and [j[2] for j in joins.spawned] == [(3,), (2,)]
+    first, second = check(tmp_path, works, replicas=4, steps=14, g_init=1)
+    assert first["ok"] and first["step_started"] == 5 and first["step"] == 7
+    assert first["attempt"] == 1 and first["joined_replicas"] == [3]
+    assert first["alive_replicas"] == [0, 1, 3]
+    assert second["ok"] and second["joined_replicas"] == [2] and second["step"] == 12
+    metrics = _jsonl(tmp_path / "metrics.jsonl")
+    assert [m["alive_replicas"] for m in metrics] == [4, 3, 3, 3, 3, 2] + [3] * 5 + [4] * 3
+    assert [m["g"] for m in metrics][-3:] == [1, 1, 1]
+    check_transfer(works, (3, 0, 1), (1, 0))
+
+
+def test_spawner_death_while_the_newcomer_starts_aborts_the_join(tmp_path):
+    """The spawner (rank 0, the writer's) dies while its newcomer starts: the newcomers' only
+    link is lost, so the join is given up and the newcomer exits (it notices the lost parent);
+    the next respawn, by the new lowest replica's rank, brings both lost replicas back."""
+    hub, joins, results = run_rejoin_job(
+        tmp_path, replicas=4, g=1, steps=12, start_steps=2,
+        faults=["replica=3,step=2,phase=forward", "replica=0,step=5,phase=forward"])
+    works = values_of(results, killed=[(3, 0), (0, 0)], retired=[(3, 0, 1)])
+    assert joins.exited == [(3, 0)]
+    assert [(j[2], j[3]) for j in joins.spawned] == [((3,), 0), ((0, 3), 1)]
+    given_up, joined = check(tmp_path, works, replicas=4, steps=12, g_init=1)
+    assert not given_up["ok"] and "spawner died" in given_up["reason"]
+    assert given_up["step"] == 6 and given_up["attempts"] == 0
+    assert joined["ok"] and joined["joined_replicas"] == [0, 3] and joined["step"] == 10
+    check_transfer(works, (0, 0, 1), (2, 0))
 
 
 def test_respawn_2x2(tmp_path):
@@ -261,15 +305,15 @@ def test_newcomer_dies_while_starting(tmp_path):
         faults=["replica=2,step=2,phase=forward"])
     works = values_of(results, killed=[(2, 0), (2, 0, 1)])
     failed, joined = check(tmp_path, works, replicas=3, steps=9, g_init=1)
-    assert not failed["ok"] and "while the newcomers started" in failed["reason"]
+    assert not failed["ok"] and "never got ready" in failed["reason"]
     assert failed["step"] == 5 and joined["ok"] and joined["step"] == 8
     check_transfer(works, (2, 0, 2), (0, 0))
 
 
 @pytest.mark.parametrize("start_steps", [0, 3])
-def test_join_waits_for_every_survivor_to_see_the_newcomers_ready(tmp_path, start_steps):
-    """The join completes at the first boundary after the step whose totals agreed they were
-    ready: start_steps steps of training while the newcomers start."""
+def test_join_waits_until_the_spawner_saw_the_newcomers_ready(tmp_path, start_steps):
+    """The join completes at the first boundary after the step whose totals agreed that the
+    spawner saw them ready: start_steps steps of training while the newcomers start."""
     hub, joins, results = run_rejoin_job(
         tmp_path, replicas=3, g=1, steps=9, start_steps=start_steps,
         faults=["replica=1,step=2,phase=backward"])

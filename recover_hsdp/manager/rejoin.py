@@ -5,23 +5,31 @@ facts only: the replicas missing (W_init minus the alive ones), how many steps a
 lost (``[recover] respawn_after_steps``), and the operator's join requests counted by the writer;
 the counts ride along in every step's totals reduce (no extra collective). When a join is due:
 
-  1. start: the survivors spawn S ranks per missing replica (the replica ids of dead ones;
-     ``MPI_Comm_spawn`` blocks only until they initialised MPI) and go on training while the
-     newcomers build their trainer; each survivor tests, at every step, the non-blocking
-     barrier the newcomers enter once ready, and the totals reduce agrees on it;
-  2. at the first boundary after every survivor saw them ready, the join completes
-     ([Note: rejoin] in recover_hsdp/collectives/join.py: merge, offer, state, grow): the donor
-     (the writer's replica, rank s for shard s) sends each newcomer rank s its state:
+  1. start: the spawner (shard 0 of the lowest alive replica: the writer) spawns S ranks per
+     missing replica (the replica ids of dead ones; ``MPI_Comm_spawn`` blocks only the spawner,
+     only until they initialised MPI); every survivor records the join (ids, spawner, step)
+     and goes on training while the newcomers build their trainer; the spawner tests, at every
+     step, the barrier the newcomers enter once ready, and the totals reduce agrees on it;
+  2. at the first boundary after the spawner saw them ready, an attempt ([Note: rejoin] in
+     recover_hsdp/collectives/join.py: port, accept, offer, state, grow) with the world as it is
+     then: the donor (the lowest alive replica that is not the spawner's, so that its death
+     leaves the newcomers' link; rank s for shard s) sends each newcomer rank s its state:
      parameters and optimizer state (this rank's local shards, in a fixed order), LR
-     schedulers, tokens seen, the policy, the run's metrics / ledger history and process
-     table; the newcomer checks a checksum of its parameters against the donor's;
-  3. one agreement: all ok, or the join is aborted (newcomers exit, survivors go on with their
-     old world; a survivor that died is found by the next step as any death);
+     schedulers, tokens seen, the policy, the run's metrics / ledger history, process table
+     and respawn clock; the newcomer checks a checksum of its parameters against the donor's;
+  3. one agreement: all ok, or the attempt failed (survivors go on with their old world; a
+     survivor that died is found by the next step as any death). The started newcomers are
+     kept: they go back to their spawner, the next boundary tries again (a new donor if the
+     donor died), at most ``JOIN_ATTEMPTS`` times;
   4. the world grows (new epoch, alive replicas + newcomers); the policy admits them, so G
      goes back toward G_init with B unchanged (``WorkloadPolicy.admit``).
-The survivors stall only for 2-4 (and the spawn call of 1), not for the newcomers' start-up.
-A death of the donor, a survivor or a newcomer during the join aborts it, never the job; the
-next attempt is ``respawn_after_steps`` later (or at the next request).
+The survivors stall only for 2-4 (and the spawner for the spawn call of 1), not for the
+newcomers' start-up. A survivor's death while the newcomers start or between attempts keeps
+the join (the ids they take are still missing: only a join brings a replica back, one at a
+time); what gives it up: the spawner's death (the newcomers see it and exit), a newcomer's
+death (the spawner's check after the attempt, or its test before they were ready), newcomers
+not ready within ``repair_s``, ``JOIN_ATTEMPTS`` failed attempts, the end of the run. The next
+join is then ``respawn_after_steps`` after the start of this one (or at the next request).
 """
 
 from __future__ import annotations
@@ -30,12 +38,14 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 
 from recover_hsdp.collectives.processes import ProcessInfo
 from recover_hsdp.manager.failures import forget_reasons
+from recover_hsdp.manager.join_parts import (JOIN_ATTEMPTS, CollectiveJoins, JoinWork,
+                                             StartedJoin, join_requests)
 from recover_hsdp.manager.local_processes import LocalProcesses
 from recover_hsdp.manager.phases import PhaseHooks
 from recover_hsdp.manager.writer import WriterDuties
@@ -43,57 +53,6 @@ from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.phases import Phase
 from recover_hsdp.workload import WorkloadPolicy
 
-JOIN_DIR = "join"
-
-
-class JoinWork(Protocol):
-    """What the trainer provides for a join (one rank)."""
-
-    def join_meta(self) -> dict[str, Any]:
-        """Picklable replica state besides tensors (step, schedulers, tokens seen, ...)."""
-
-    def load_join_meta(self, meta: dict[str, Any]) -> None: ...
-
-    def join_tensors(self) -> list[np.ndarray]:
-        """This rank's state tensors (parameters, then optimizer state) as writable numpy
-        views, in an order that is the same on every replica."""
-
-    def spawn_command(self, replicas: list[int]) -> tuple[str, list[str]]:
-        """The program and arguments that start one replacement rank of ``replicas``."""
-
-
-def join_requests(out_dir: Path) -> list[Path]:
-    """Pending operator requests (``recover-hsdp join``), oldest first."""
-    folder = out_dir / JOIN_DIR / "requests"
-    return sorted(folder.glob("*.json")) if folder.is_dir() else []
-
-
-class CollectiveJoins:
-    """The join primitives of the collectives layer ([Note: rejoin] in collectives/join.py);
-    in-process tests pass the fake world's instead."""
-
-    @staticmethod
-    def spawn(world, command: str, args: list[str], replicas: tuple[int, ...], host=None):
-        from recover_hsdp.collectives.join import spawn
-
-        return spawn(world, command, args, replicas, host=host)
-
-    @staticmethod
-    def parent_channel(world):
-        from recover_hsdp.collectives.join import parent_channel
-
-        return parent_channel(world)
-
-    @staticmethod
-    def offer(*args, **kwargs):
-        from recover_hsdp.collectives.join import JoinOffer
-
-        return JoinOffer(*args, **kwargs)
-
-    @staticmethod
-    def exit_newcomer() -> None:
-        """An aborted join ends the newcomer (exit 0: mpirun must not end the job for it)."""
-        os._exit(0)
 
 
 class Rejoin:
@@ -121,46 +80,50 @@ class Rejoin:
         self.requests_seen = 0       # agreed in the last committed step's totals
         self._lost_since: int | None = None
         self._alive_before: int | None = None
-        self._pending = None         # a PendingJoin while newcomers start
-        self._pending_requests: list[Path] = []
-        self._record: dict[str, Any] = {}
-        self._ready = False          # every survivor saw the newcomers ready (agreed, ditto)
-        self._failed = False
+        self._join: StartedJoin | None = None
+        self._ready = False          # the spawner saw the newcomers ready (agreed, ditto)
+        self._failed = False         # the spawner saw them lost (agreed, ditto)
 
     # ---------------------------------------------------------------- survivors
 
     def totals(self) -> tuple[float, float, float]:
         """This rank's share of the step's totals: (join requests seen by the writer,
-        newcomers ready as this rank sees them, newcomers failed as this rank sees them)."""
+        newcomers ready as the spawner sees them, newcomers lost as the spawner sees them)."""
         requests = len(join_requests(self.out_dir)) if self.writer.is_writer else 0
         ready = failed = False
-        if self._pending is not None:
-            ready, failed = self._pending.test()
-            if not ready and time.monotonic() - self._pending.started > \
-                    self.world.deadlines.repair_s:  # newcomers that never get ready
-                failed = True
+        join = self._join
+        if join is not None and (join.pending is not None or join.failed_here):
+            failed = join.failed_here
+            if not failed:
+                ready, failed = join.pending.test()
+                if not ready and time.monotonic() - join.pending.started > \
+                        self.world.deadlines.repair_s:  # newcomers that never get ready
+                    failed = True
         return float(requests), float(ready), float(failed)
 
     def agree_totals(self, requests: float, ready: float, failed: float) -> None:
         """The committed step's sums of :meth:`totals` (identical on every rank)."""
-        ranks = len(self.world.alive_replicas) * self.world.layout.ranks_per_replica
         self.requests_seen = int(requests)
-        self._ready = self._pending is not None and int(ready) == ranks
-        self._failed = self._pending is not None and failed > 0
+        self._ready = self._join is not None and ready > 0
+        self._failed = self._join is not None and failed > 0
 
     def maybe_admit(self, step: int, work: JoinWork, policy: WorkloadPolicy) -> None:
-        """Survivors, before ``step``: start replacements when a join is due, complete a
-        started join once every survivor saw them ready."""
+        """Survivors, before ``step``: start replacements when a join is due, try to complete
+        a started join once the spawner saw them ready."""
         alive = self.world.alive_replicas
         lost = self._alive_before is not None and len(alive) < self._alive_before
         self._alive_before = len(alive)
         if lost:
             self._lost_since = step
-        if self._pending is not None:
-            if lost or self._failed:  # a death since: the join's communicator holds it
-                self._give_up(step, "a process died while the newcomers started")
+        join = self._join
+        if join is not None:
+            s = self.world.layout.ranks_per_replica
+            if join.spawner // s not in alive:  # the newcomers' only link
+                self._give_up(step, "the spawner died: the newcomers' link is lost")
+            elif self._failed:
+                self._give_up(step, "the newcomers died or never got ready")
             elif self._ready:
-                self._complete(step, work, policy)
+                self._attempt(step, work, policy)
             return
         missing = [r for r in range(policy.initial_replicas) if r not in alive]
         if not missing:
@@ -178,55 +141,77 @@ class Rejoin:
 
     def abandon(self, step: int) -> None:
         """The run ends with newcomers still starting: they are told to exit."""
-        if self._pending is not None:
-            self._give_up(step, "the run ended before the newcomers were ready")
+        if self._join is not None:
+            self._give_up(step, "the run ended before the newcomers joined")
 
     def _start(self, step: int, work: JoinWork, replicas: list[int]) -> None:
+        """The spawner (shard 0 of the lowest alive replica: the writer) starts the newcomers;
+        every survivor records the join."""
         started = time.perf_counter()
-        requests = join_requests(self.out_dir)[:len(replicas)] if self.writer.is_writer else []
-        host = json.loads(requests[0].read_text()).get("host") if requests else None
-        command, args = work.spawn_command(replicas)
-        self._pending = self.joins.spawn(self.world, command, args, tuple(replicas),
-                                         host=host or None)
-        self._pending_requests = requests
-        self._ready = self._failed = False
-        self._record = {"phase": "join", "step_started": step, "requested_replicas": replicas,
-                        "spawn_stall_s": time.perf_counter() - started}
-        if self._pending is None:
-            _finish_requests(requests, False)
+        world = self.world
+        spawner = min(world.alive_replicas) * world.layout.ranks_per_replica
+        join = StartedJoin(tuple(replicas), spawner, step)
+        if world.world_rank == spawner:
+            requests = join_requests(self.out_dir)[:len(replicas)]
+            host = json.loads(requests[0].read_text()).get("host") if requests else None
+            command, args = work.spawn_command(replicas)
+            join.pending = self.joins.spawn(world, command, args, tuple(replicas),
+                                            host=host or None)
+            join.failed_here = join.pending is None
+            join.requests = requests
+        self._join, self._ready, self._failed = join, False, False
+        join.record = {"phase": "join", "step_started": step, "requested_replicas": replicas,
+                       "spawner_rank": spawner, "spawn_stall_s": time.perf_counter() - started}
 
     def _give_up(self, step: int, reason: str) -> None:
-        self._pending.abort()
-        self._pending = None
-        _finish_requests(self._pending_requests, False)
-        self._log({**self._record, "step": step, "ok": False, "reason": reason,
-                   "joined_replicas": [], "epoch": self.world.epoch,
+        join, self._join = self._join, None
+        if join.pending is not None:
+            join.pending.abort(tell=not join.failed_here)
+        _finish_requests(join.requests, False)
+        self._log({**join.record, "step": step, "ok": False, "reason": reason,
+                   "attempts": join.attempts, "joined_replicas": [], "epoch": self.world.epoch,
                    "alive_replicas": list(self.world.alive_replicas), "join_stall_s": 0.0})
 
-    def _complete(self, step: int, work: JoinWork, policy: WorkloadPolicy) -> None:
-        """Stages 2-4 on a survivor: merge, offer, state (the donor), agree, grow."""
-        world, pending = self.world, self._pending
-        self._pending = None
+    def _attempt(self, step: int, work: JoinWork, policy: WorkloadPolicy) -> None:
+        """Stages 2-4 on a survivor: the port, accept + merge, offer, state (the donor), agree,
+        grow. A failed attempt keeps the join for the next boundary (bounded)."""
+        world, join = self.world, self._join
+        join.attempts += 1
+        self._ready = False
         started = time.perf_counter()
-        replicas = list(pending.replicas)
-        record = {**self._record, "step": step, "joined_replicas": [],
-                  "start_to_ready_s": (pending.ready_at or time.monotonic()) - pending.started,
+        replicas = list(join.replicas)
+        pending = join.pending
+        record = {**join.record, "step": step, "attempt": join.attempts, "joined_replicas": [],
                   "epoch_before": world.epoch}
-        channel = pending.merge()
-        ok = channel is not None
+        if pending is not None:
+            record["start_to_ready_s"] = (pending.ready_at or time.monotonic()) - pending.started
+        assert not set(replicas) & set(world.alive_replicas), "a join takes missing ids only"
+        link_ok = pending.offer_port() if pending is not None else True
+        go = self.joins.agree(world, link_ok)
+        channel, ok = None, False
+        if go:
+            channel = self.joins.accept(world, pending, join.spawner)
+            ok = channel is not None
         if ok:
-            donor = min(world.alive_replicas)
+            donor = _donor(world.alive_replicas, join.spawner // world.layout.ranks_per_replica)
             offer = self.joins.offer(
                 world.epoch, world.alive_replicas, tuple(replicas),
                 world.layout.ranks_per_replica, world.layout.num_replicas, donor,
                 payload={"step": step, "arbiter": world.arbiter_dir,
-                         "step_started": record["step_started"]})
+                         "step_started": join.step_started,
+                         "lost_since": self._lost_since})  # the newcomers' respawn clock
+            record.update(donor=donor, bytes_per_donor_rank=sum(  # the same on every replica
+                int(b.nbytes) for b in work.join_tensors()))
             ok = channel.exchange(offer, world.world_rank, ProcessInfo.current()) is not None
+            sending = time.perf_counter()
             if ok and world.replica == donor:
-                moved, transfer_s, ok = self._send_state(channel, work, replicas, policy)
-                record.update(bytes_per_donor_rank=moved, transfer_s=transfer_s,
-                              transfer_mb_per_s=moved / 1e6 / transfer_s if transfer_s else None)
+                _, _, ok = self._send_state(channel, work, replicas, policy)
             ok = channel.agree(ok)
+            # the donor's copy, as every survivor waits for it (the writer is rarely the donor)
+            transfer_s = time.perf_counter() - sending
+            moved = record["bytes_per_donor_rank"]
+            record.update(transfer_s=transfer_s,
+                          transfer_mb_per_s=moved / 1e6 / transfer_s if transfer_s else None)
             if ok:
                 ok = world.grow(channel.merged, channel.ranks,
                                 tuple(world.alive_replicas) + tuple(replicas),
@@ -235,12 +220,25 @@ class Rejoin:
                 channel.abort()
         if ok:
             record["joined_replicas"] = replicas
-        _finish_requests(self._pending_requests, ok)
+            self._join = None
+            _finish_requests(join.requests, True)
+            if pending is not None:
+                pending.close()
+        elif pending is not None and not link_ok:
+            join.failed_here = True  # a newcomer died: said in the next totals
+        elif pending is not None and go:  # the newcomers are back on the link: all there?
+            join.failed_here = not pending.check()
+        reason = None if ok else ("a survivor died before the accept" if not go
+                                  else "a process died during the join")
         record.update(ok=ok, epoch=world.epoch, alive_replicas=list(world.alive_replicas),
                       join_stall_s=time.perf_counter() - started)
+        if not ok:
+            record["reason"] = reason
         self._log(record)  # by the writer before the join, which may hand its duty over
         if ok:
             self._joined(channel, replicas, policy)
+        elif join.attempts >= JOIN_ATTEMPTS:
+            self._give_up(step, f"{JOIN_ATTEMPTS} attempts failed")
 
     def _send_state(self, channel, work: JoinWork, replicas, policy: WorkloadPolicy):
         # copying a model's whole state is long work without beats; its sends keep deadlines
@@ -262,7 +260,7 @@ class Rejoin:
             peer = r * s + self.world.shard
             ok = ok and channel.send(meta, peer)
             # phase=join, step=N: mid-transfer of the join started before step N (tests)
-            self.phases.point(self._record["step_started"], Phase.JOIN)
+            self.phases.point(self._join.step_started, Phase.JOIN)
             ok = ok and channel.send_bytes(flat, peer)
         return int(flat.size), time.perf_counter() - started, ok
 
@@ -296,20 +294,33 @@ class Rejoin:
         aborted."""
         world = self.world
         started = time.perf_counter()
-        channel = self.joins.parent_channel(world)
-        offer = channel.exchange(None, None, ProcessInfo.current()) if channel else None
-        meta = self._receive_state(channel, offer, work) if offer is not None else None
-        ok = channel is not None and channel.agree(meta is not None)
-        if ok:
-            ok = world.grow(channel.merged, channel.ranks,
-                            tuple(offer.alive_replicas) + tuple(offer.new_replicas),
-                            offer.num_replicas, offer.epoch)
-        if not ok:
+        link = self.joins.parent_link(world)
+        joined = False
+        for attempt in range(1, JOIN_ATTEMPTS + 1):  # the survivors give up after as many
+            channel = link.next_channel() if link is not None else None
+            if channel is None:  # told to exit, or the spawner is lost
+                break
+            offer = channel.exchange(None, None, ProcessInfo.current())
+            meta = self._receive_state(channel, offer, work) if offer is not None else None
+            joined = channel.agree(meta is not None)
+            if joined:
+                joined = world.grow(channel.merged, channel.ranks,
+                                    tuple(offer.alive_replicas) + tuple(offer.new_replicas),
+                                    offer.num_replicas, offer.epoch)
+            if joined:
+                break
+            channel.abort()
+            print(f"[recover-hsdp] newcomer rank {world.world_rank}: join attempt {attempt} "
+                  "failed; waiting for the next", flush=True)
+            if not link.check():  # another newcomer died (or the spawner)
+                break
+        if not joined:
             print(f"[recover-hsdp] newcomer rank {world.world_rank}: join aborted; exiting",
                   flush=True)
             world.close()
             self.joins.exit_newcomer()
         policy = WorkloadPolicy.from_state_dict(meta["policy"])
+        self._lost_since = offer.payload.get("lost_since")  # agreed, as on the survivors
         self.writer.ledger_records[:] = meta["ledger"]
         self.processes.table[:] = meta["procs"]
         self.outputs.steps, self.outputs.events = list(meta["steps"]), list(meta["events"])
@@ -367,3 +378,10 @@ def _finish_requests(requests: list[Path], ok: bool) -> None:
             os.replace(path, done / path.name)
         except OSError:
             pass
+
+
+def _donor(alive: tuple[int, ...], spawner_replica: int) -> int:
+    """The replica whose ranks send the state: the lowest alive one that is not the spawner's
+    (its death mid-transfer then leaves the newcomers' link intact), else the spawner's."""
+    others = [r for r in alive if r != spawner_replica]
+    return min(others) if others else spawner_replica
