@@ -47,3 +47,17 @@ def test_inside_an_allocation_the_launcher_reaches_nodes_through_srun():
     assert hosts.agent_argv(["ssh"], "n2", "hostname") == ["ssh", "n2", "hostname"]
     explicit = ["--prtemca", "plm_ssh_agent", "/x/agent.sh", "-np"]
     assert hosts.ssh_agent(explicit, env) == ["/x/agent.sh"]   # an explicit agent wins
+
+
+def test_prteds_step_overlaps_the_lost_jobs_step(monkeypatch):
+    """[Note: Slurm allocations]: PRRTE's srun gets --overlap (the old job's daemon step, stuck
+    on a dead node, holds the live nodes' CPUs), unless the caller chose plm_slurm_args."""
+    from recover_hsdp.cli.slurm import prted_step_overlaps
+
+    monkeypatch.delenv("PRTE_MCA_plm_slurm_args", raising=False)
+    assert prted_step_overlaps(["--map-by", "ppr:1:node"]) == [
+        "--map-by", "ppr:1:node", "--prtemca", "plm_slurm_args", "--overlap"]
+    own = ["--prtemca", "plm_slurm_args", "--exclusive"]
+    assert prted_step_overlaps(own) == own
+    monkeypatch.setenv("PRTE_MCA_plm_slurm_args", "--exclusive")
+    assert prted_step_overlaps([]) == []

@@ -78,6 +78,7 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
     if args.hostfile is None and slurm.in_allocation():  # [Note: Slurm allocations]
         args.out = str(Path(args.out or Path("outputs") / Path(args.config).stem).resolve())
         args.hostfile = str(slurm.write_allocation_hostfile(Path(args.out)))
+        args.mpi_arg = slurm.prted_step_overlaps(list(args.mpi_arg))
         print(f"recover-hsdp: Slurm allocation {os.environ.get('SLURM_JOB_ID', '?')}: its nodes "
               f"in {args.hostfile}", flush=True)
     command, out, job = build_job(args)

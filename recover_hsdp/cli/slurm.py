@@ -7,8 +7,15 @@ starts its daemons through Slurm (``plm/slurm``: ``srun``) within the allocation
 is what keeps the relaunch tier ([Note: the relaunch tier] in cli/relaunch.py) inside the
 allocation: a relaunch uses the allocation's nodes minus the lost ones, and nodes the job did not
 use are its standby nodes. The launcher reaches the nodes (the liveness probe, ending an old
-job's processes) with ``srun --overlap`` on one node instead of ssh. Not run against a real Slurm
-here (no slurmctld / slurmd packages on this machine): the parsing is tested in-process.
+job's processes) with ``srun --overlap`` on one node instead of ssh. PRRTE's own ``srun`` (the
+step that starts its daemons) gets ``--overlap`` too (``--prtemca plm_slurm_args --overlap``,
+unless the caller set ``plm_slurm_args``): after a node is lost, the old job's daemon step cannot
+complete while one of its nodes is dead, it keeps the live nodes' CPUs, and the relaunch's
+daemon step waited for them forever (measured on a real Slurm 22.05, one slurmd per namespace
+node: docs/probes/slurm22/). Run against that Slurm: ``salloc --no-kill`` (without it Slurm ends
+the whole allocation when a node fails), 3 replicas on 4 nodes, a node SIGKILLed with its
+slurmd, prted and rank after step 3: the relaunch ran on the other 3 nodes (the standby one
+included) from step 2 and completed 12 steps, B every step.
 """
 
 from __future__ import annotations
@@ -24,6 +31,14 @@ NODELIST = "SLURM_JOB_NODELIST"
 TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
 #: How the launcher runs a command on one node of the allocation (hosts.py appends the node).
 SRUN_AGENT = ["srun", "--nodes=1", "--ntasks=1", "--overlap", "--quiet", "--nodelist"]
+
+
+def prted_step_overlaps(mpi_args: list[str]) -> list[str]:
+    """``mpi_args`` plus ``--prtemca plm_slurm_args --overlap`` ([Note: Slurm allocations]),
+    unless they set ``plm_slurm_args`` already."""
+    if "plm_slurm_args" in mpi_args or os.environ.get("PRTE_MCA_plm_slurm_args"):
+        return mpi_args
+    return [*mpi_args, "--prtemca", "plm_slurm_args", "--overlap"]
 
 
 def in_allocation(environ=os.environ) -> bool:
