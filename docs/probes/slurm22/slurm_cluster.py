@@ -6,7 +6,6 @@ Environment: PROBE_NODES (4), PROBE_PREFIX (rhsl), PROBE_SUBNET (10.231.91)."""
 
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
