@@ -313,13 +313,7 @@ def accept(world: FaultTolerantWorld, pending: PendingJoin | None, spawner: int
 
 def _comm_rank(world: FaultTolerantWorld, world_rank: int) -> int:
     """The rank of original world rank ``world_rank`` in the global communicator."""
-    comm = world.global_comm
-    group = comm.Get_group()
-    try:
-        base = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world._base_group)
-    finally:
-        group.Free()
-    return world._original_ranks(base).index(world_rank)
+    return world._ranks_in_order(world.global_comm).index(world_rank)
 
 
 class ParentLink:

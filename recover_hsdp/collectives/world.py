@@ -392,12 +392,16 @@ class FaultTolerantWorld:
         return new
 
     def _members(self, comm: MPI.Comm) -> list[int]:
+        return sorted(self._ranks_in_order(comm))
+
+    def _ranks_in_order(self, comm: MPI.Comm) -> list[int]:
+        """The original world ranks of ``comm``'s members, in ``comm``'s rank order."""
         group = comm.Get_group()
         try:
             ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), self._base_group)
         finally:
             group.Free()
-        return sorted(self._original_ranks(ranks))
+        return self._original_ranks(ranks)
 
     def _original_ranks(self, base_ranks) -> list[int]:
         """Ranks of the base group as original world ranks (they differ after a rejoin)."""
