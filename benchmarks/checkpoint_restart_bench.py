@@ -30,10 +30,8 @@ Writes benchmarks/results/checkpoint_restart.json and checkpoint_restart.png.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 from _common import (checkpoint_times, machine, median, plt, read_jsonl, supervise,

@@ -50,7 +50,7 @@ def inner_allreduce(iters: int, out: str) -> None:
     port = int(os.environ["BENCH_PORT"])
     store = dist.TCPStore("127.0.0.1", port, size, is_master=(rank == 0))
     pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=300))
-    from recover_hsdp.manager.data_plane import TorchDataPlane
+    from recover_hsdp.groups.data_plane import TorchDataPlane
 
     planes = {dtype: TorchDataPlane(world, "gloo", wire_dtype=dtype, timeout_s=300)
               for dtype in ("fp32", "bf16")}
@@ -73,14 +73,12 @@ def inner_allreduce(iters: int, out: str) -> None:
         buf = np.ones(n, dtype=np.float32)
         t_guarded = bench(lambda: world.allreduce(buf) or sys.exit("guarded all-reduce failed"))
         t_plain = bench(lambda: plain.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
-        del buf
         x = torch.ones(n)
         t_gloo = bench(lambda: pg.allreduce([x]).wait())
         t_plane = {dtype: bench(lambda p=p: p.reduce(x) or sys.exit("data plane reduce failed"))
                    for dtype, p in planes.items()}
         y = torch.empty_like(x)
         t_copy = bench(lambda: y.copy_(x))
-        del x, y
         rows.append({"mb": mb, "guarded": t_guarded, "plain": t_plain, "gloo": t_gloo,
                      "torch_plane": t_plane["fp32"], "torch_plane_bf16": t_plane["bf16"],
                      "memcpy": t_copy})
@@ -170,10 +168,12 @@ def main() -> None:
         "",
         "`benchmarks/collectives_bench.py` (regenerate: `python benchmarks/collectives_bench.py`). "
         f"4 ranks on one {os.cpu_count()}-core host (oversubscribed, shared with other jobs: noisy), "
-        "Open MPI 5.0.11 ULFM launch (`recover_hsdp.collectives.mpirun`, btl tcp no-put flags), fp32 SUM in place; "
+        "Open MPI 5.0.11 ULFM launch (`recover_hsdp.collectives.mpirun`, btl tcp no-put flags), "
+        "fp32 SUM in place; "
         f"time of one all-reduce = slowest rank, median of {a.iters} after 2 warm-ups.",
         "",
-        "| size | guarded = `mpi` data plane (chunked 4 MB, deadline) | plain MPI Allreduce | gloo all_reduce "
+        "| size | guarded = `mpi` data plane (chunked 4 MB, deadline) | plain MPI Allreduce "
+        "| gloo all_reduce "
         "| `torch` data plane fp32 | `torch` data plane bf16 | memcpy of the bytes | guarded / plain "
         "| torch plane / guarded |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

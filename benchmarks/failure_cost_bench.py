@@ -136,7 +136,6 @@ def markdown(result) -> str:
 def _plot(rows, path: Path) -> None:
     pyplot = plt()
     fig, ax = pyplot.subplots(figsize=(8, 4))
-    labels, bottoms = [], []
     cr_parts = [("detect_exit_s", "detect + exit"), ("restart_init_s", "restart init"),
                 ("load_s", "checkpoint load"), ("rerun_s", "rerun lost steps"),
                 ("save_s_total", "saves before the failure")]

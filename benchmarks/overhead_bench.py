@@ -146,7 +146,7 @@ def planes_ab(args) -> None:
     """Stock vs ReCoVer on each data plane, interleaved (same work); then the stall of one
     death per plane. ``torch-hook`` is the torch plane with each sum waited for in its hook
     (``overlap_reduce = false``), beside the overlapped default: [Note: overlapped bucket sums]
-    in recovery/buckets.py. [Note: control plane and data plane] in manager/data_plane.py."""
+    in recovery/buckets.py. [Note: control plane and data plane] in groups/data_plane.py."""
     planes = PLANES
     results = {}
     for layout, g in [(lay, int(g)) for g in args.g.split(",") for lay in args.layouts.split(",")]:
@@ -229,7 +229,7 @@ def _plot(results: dict, path: Path) -> None:
     xs = range(len(layouts))
     for offset, key, label in ((-0.2, "median_stock_tokens_per_s", "stock TorchTitan HSDP"),
                                (0.2, "median_recover_tokens_per_s", "ReCoVer")):
-        ax.bar([x + offset for x in xs], [results[l][key] for l in layouts], 0.4, label=label)
+        ax.bar([x + offset for x in xs], [results[name][key] for name in layouts], 0.4, label=label)
     for x, layout in zip(xs, layouts):
         ax.annotate(f"x{results[layout]['median_tokens_per_s_ratio']:.2f}", (x + 0.2, 0),
                     xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)

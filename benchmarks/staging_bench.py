@@ -3,8 +3,9 @@ reused pinned host buffer, the guarded MPI all-reduce of that buffer, H2D back; 
 
     mpirun -np 2 python benchmarks/staging_bench.py [--sizes-mb 1,4,16,64,125] [--device cuda]
 
-The all-reduce goes in 4 MB pieces, as the product's does. Run by scripts/gpu_check.sh on a GPU (``--device cuda``); ``--device cpu`` dry-runs the same
-code on CPU (the copies are then host memcpys). Rank 0 prints one line per size.
+The all-reduce goes in 4 MB pieces, as the product's does. Run by scripts/gpu_check.sh on a GPU
+(``--device cuda``); ``--device cpu`` dry-runs the same code on CPU (the copies are then host
+memcpys). Rank 0 prints one line per size.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ SIGKILLed from outside mid-run.
 
 TorchFT (``torchft`` 0.2.0 from PyPI, in a folder of its own: TorchTitan's checkpoint and
 optimizer modules import ``torchft`` whenever it is importable, so installed in the venv it
-would load in every job; TorchTitan 0.2.2's own ``FTTrainer`` and ``[fault_tolerance]`` section): a ``torchft_lighthouse`` and one torchrun
-per replica group (1 rank each here), ``--fault_tolerance.replica_id i --group_size W``, gloo.
+would load in every job; TorchTitan 0.2.2's own ``FTTrainer`` and ``[fault_tolerance]``
+section): a ``torchft_lighthouse`` and one torchrun per replica group (1 rank each here),
+``--fault_tolerance.replica_id i --group_size W``, gloo.
 ReCoVer: ``recover-hsdp train --replicas W``. Both: the debug config, local corpus, global batch
 G x W x local batch (B = G x W microbatches per step), the same seed. In both, when step
 ``--kill-after`` is committed, the supervisor SIGKILLs replica (group) 1's process(es).
@@ -83,7 +84,8 @@ def run_torchft(work: Path, groups: int, steps: int, g: int, kill_after: int | N
            "PYTHONPATH": os.pathsep.join([str(REPO), *extra, os.environ.get("PYTHONPATH", "")])}
     lighthouse_bin = (TORCHFT_PATH / "bin" / "torchft_lighthouse") if TORCHFT_PATH else None
     lighthouse = subprocess.Popen(
-        [str(lighthouse_bin) if lighthouse_bin else _tool("torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
+        [str(lighthouse_bin) if lighthouse_bin else _tool("torchft_lighthouse"),
+         "--min_replicas", "1", "--quorum_tick_ms", "100",
          "--join_timeout_ms", "10000", "--bind", f"[::]:{port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     procs, files, seen = {}, {}, {}

@@ -159,7 +159,7 @@ class Recover:
 
     data_plane: Literal["auto", "mpi", "torch"] = "auto"
     """Where the bytes of the cross-replica gradient sums travel ([Note: control plane and
-    data plane] in manager/data_plane.py): ``mpi``, the fault-tolerant world's guarded
+    data plane] in groups/data_plane.py): ``mpi``, the fault-tolerant world's guarded
     all-reduce (host staging, btl/tcp); ``torch``, a torch.distributed group (gloo on CPU,
     NCCL on GPU) of the same-shard ranks of the alive replicas, rebuilt for every world
     epoch. Either way ULFM decides who is alive and whether an epoch was clean (the

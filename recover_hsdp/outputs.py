@@ -140,3 +140,28 @@ class RunMetrics:
             path = self.out_dir / "summary.json"
             path.write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+# -- errors/: why a rank left ([Note: replica-local errors] in manager/failures.py) -----------
+
+def _reason_path(out_dir: str | Path, world_rank: int) -> Path:
+    return Path(out_dir) / "errors" / f"rank{world_rank}.json"
+
+
+def write_reason(out_dir: str | Path, record: dict[str, Any]) -> None:
+    """``errors/rank<N>.json`` in ``out_dir``: why rank N left (safe from any thread)."""
+    try:
+        path = _reason_path(out_dir, record["rank"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError:
+        pass  # the reason is on stderr
+
+
+def forget_reasons(out_dir: str | Path, world_ranks) -> None:
+    """Joined newcomers: an earlier life's reason for leaving is not theirs."""
+    for world_rank in world_ranks:
+        _reason_path(out_dir, world_rank).unlink(missing_ok=True)

@@ -44,3 +44,12 @@ class Phase(str, enum.Enum):
 #: shows these labels); REPAIR and REREDUCE repeat while an epoch fails.
 STEP_SPANS = (Phase.PLAN, Phase.COMPUTE, Phase.GRAD_SYNC, Phase.CONSENSUS, Phase.REPAIR,
               Phase.REREDUCE, Phase.COMMIT)
+
+
+def profiler_labels(step: int, phase: Phase):
+    """A ``torch.profiler.record_function`` label ``recover/<phase>`` around a span: a profile
+    of a step shows plan / compute / grad_sync / consensus / repair / rereduce / commit (torch
+    is imported on the first span, never by importing this module)."""
+    from torch.profiler import record_function
+
+    return record_function(f"recover/{phase.value}")

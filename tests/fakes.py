@@ -201,7 +201,8 @@ class FakeHub:
 
 
 class FakeWorld:
-    """One rank's view; same methods and contract as ``FaultTolerantWorld`` (see its docstrings)."""
+    """One rank's view: a ``World`` (collectives/interface.py; tests/test_interfaces.py checks
+    the members), with ``FaultTolerantWorld``'s contract (see its docstrings)."""
 
     def __init__(self, hub: FakeHub, replica: int, shard: int, newcomer: bool = False):
         self.hub = hub
@@ -214,6 +215,7 @@ class FakeWorld:
         self.retired = False
         self.on_phase = None  # as FaultTolerantWorld.on_phase: called with "consensus"
         self.on_failed = None  # as FaultTolerantWorld.on_failed (no frozen processes here)
+        self.on_leave = None  # as FaultTolerantWorld.on_leave: called once when it leaves normally
         self.closed = False
         self.calls: Counter[str] = Counter()
         self._epoch = -1 if newcomer else 0
@@ -382,6 +384,7 @@ class FakeWorld:
             raise RuntimeError("retire() called but consensus did not ask this rank to retire")
         with self.hub._cond:
             self.hub.retired.add((self.replica, self.shard))
+        self._left()
         raise Retired(f"replica {self.replica} shard {self.shard} retired at epoch "
                       f"{self._epoch}" + (f": {message}" if message else ""))
 
@@ -392,6 +395,12 @@ class FakeWorld:
 
     def close(self) -> None:
         self.closed = True
+        self._left()
+
+    def _left(self) -> None:
+        if self.on_leave is not None:
+            on_leave, self.on_leave = self.on_leave, None
+            on_leave()
 
     # -- rejoin (tests/fake_join.py) --------------------------------------------------------------
     def adopt(self, offer) -> None:

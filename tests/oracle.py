@@ -44,8 +44,9 @@ def _stream_batches(cfg, refs, fsdp_degree: int, slots: int) -> dict:
 def recompute_gradient(params: dict[str, torch.Tensor], refs: list, fsdp_degree: int,
                        overrides: list[str] = (), slots: int | None = None
                        ) -> dict[str, torch.Tensor]:
-    """Sum over the committed microbatches ``refs`` of each one's gradient (all D FSDP-rank parts; TP peers share one),
-    with the loss normalised by the step's nominal token count, exactly as the trainer does."""
+    """Sum over the committed microbatches ``refs`` of each one's gradient (all D FSDP-rank
+    parts; TP peers share one), with the loss normalised by the step's nominal token count, exactly
+    as the trainer does."""
     from recover_hsdp.titan import cpu_runtime, model_spec
     from recover_hsdp.titan.data import load_sequences, microbatch_sequence_ids
 

@@ -1,4 +1,4 @@
-"""The torch data plane ([Note: control plane and data plane], manager/data_plane.py), in
+"""The torch data plane ([Note: control plane and data plane], groups/data_plane.py), in
 process: real gloo groups between threads, the control plane faked (tests/fakes.py).
 
 What is proven here: one group per world epoch, built at the first reduce of the epoch (a
@@ -20,7 +20,7 @@ import torch
 
 from fakes import FakeHub, FakeUnit, run_ranks, values_of
 from recover_hsdp.config import ConfigError, JobConfig, _check_data_plane
-from recover_hsdp.manager.data_plane import TorchDataPlane
+from recover_hsdp.groups.data_plane import TorchDataPlane
 from recover_hsdp.recovery import BucketSync
 
 N = 1000
@@ -188,7 +188,7 @@ def test_a_member_lost_during_the_group_rendezvous_fails_only_that_epoch():
     rendezvous (its group never connects): the others, blocked in the rendezvous, give it up
     when the control plane reports the death; after the shrink the two survivors build the next
     epoch's group and sum."""
-    from recover_hsdp.manager import rendezvous
+    from recover_hsdp.groups import rendezvous
 
     hub = FakeHub(3)
 
@@ -232,7 +232,7 @@ def test_bf16_on_the_wire_keeps_replicas_identical():
 
 
 def test_auto_is_torch_on_gpus_and_mpi_on_cpu():
-    from recover_hsdp.manager.data_plane import resolve_data_plane
+    from recover_hsdp.groups.data_plane import resolve_data_plane
 
     assert resolve_data_plane("auto", None) == "mpi"
     assert resolve_data_plane("auto", torch.device("cpu")) == "mpi"

@@ -103,7 +103,7 @@ def test_device_check_refuses_more_ranks_than_gpus_in_one_line():
 
 
 def test_a_newcomer_takes_the_device_of_the_rank_it_replaces():
-    from recover_hsdp.manager.bootstrap import NEWCOMER_ENV as BOOTSTRAP_MARKER
+    from recover_hsdp.groups.bootstrap import NEWCOMER_ENV as BOOTSTRAP_MARKER
 
     assert NEWCOMER_ENV == BOOTSTRAP_MARKER
     env = {"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",

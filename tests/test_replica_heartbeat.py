@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from recover_hsdp.manager import rendezvous
-from recover_hsdp.manager.replica_group import group_timeout_s, job_deadlines
-from recover_hsdp.manager.replica_heartbeat import ReplicaHeartbeat, open_socket
+from recover_hsdp.groups import rendezvous
+from recover_hsdp.groups.timeouts import group_timeout_s, job_deadlines
+from recover_hsdp.groups.heartbeat import ReplicaHeartbeat, open_socket
 
 TOKEN = b"12345678"
 

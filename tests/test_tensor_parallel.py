@@ -5,8 +5,9 @@
 - Real kill: 3 replicas x TP 2, the TP rank 1 of replica 1 SIGKILLed in the gradient sync after
   3 of 8 buckets were reduced: its TP peer leaves with it, B is measured every step, the loss
   stays within 1e-3 of the failure-free 3 x TP 2 run (a TP layout initialises its weights
-  through DTensor's RNG: the reference must have the same layout), and the gradient committed in the failure step equals the one recomputed
-  on one process from the ledger's microbatch ids (the oracle; the dump gathers the FSDP x TP
+  through DTensor's RNG: the reference must have the same layout), and the gradient committed
+  in the failure step equals the one recomputed on one process from the ledger's microbatch ids (the
+  oracle; the dump gathers the FSDP x TP
   DTensor gradients into full tensors).
 """
 

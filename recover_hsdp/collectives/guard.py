@@ -52,9 +52,11 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import NoReturn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +191,22 @@ def log_line(msg: str) -> None:
     os.write(2, f"[recover_hsdp pid {os.getpid()} t={time.time():.3f}] {msg}\n".encode())
 
 
-def die(msg: str) -> None:
-    """Log ``msg`` and SIGKILL this process: to its MPI peers this is an ordinary process failure."""
+def die(msg: str) -> NoReturn:
+    """The one self-kill: log ``msg`` and SIGKILL this process (no MPI_Finalize: [Note:
+    exiting without Finalize] in world.py); to its MPI peers an ordinary process failure.
+    mpirun (PRRTE 3.0) tolerates any number of ranks killed by a signal, but ends the job at
+    the second rank that exits with a non-zero status (measured: survivors orphaned). On the
+    main thread Python's buffered stdout/stderr are flushed first; another thread never
+    touches them (the main thread may be stuck holding their lock)."""
     log_line(msg)
+    if threading.current_thread() is threading.main_thread():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
     os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("SIGKILL returned")
 
 
 class MpiGuard:

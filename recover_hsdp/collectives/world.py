@@ -113,7 +113,7 @@ class FaultTolerantWorld:
         # public: on_failed(world ranks) when a guarded call fails with ranks known failed
         self.on_failed: Callable[[list[int]], None] | None = None
         # public: on_leave() when this rank leaves normally (retire, close): the replica's
-        # heartbeat says goodbye ([Note: a replica leaves as a unit], manager/replica_group.py)
+        # heartbeat says goodbye ([Note: a replica leaves as a unit], groups/replica_group.py)
         self.on_leave: Callable[[], None] | None = None
         self.world_rank, self.replica, self.shard = -1, -1, -1
         self._guard = MpiGuard(self.deadlines, name=name)
@@ -203,7 +203,7 @@ class FaultTolerantWorld:
         progress (an ``Iprobe`` on the global and shard communicators), so the failure
         detector's notices and peers' revokes arrive while the main thread waits in something
         else (a data-plane collective: [Note: control plane and data plane] in
-        manager/data_plane.py). A new failure is handled like a failed guarded call (every
+        groups/data_plane.py). A new failure is handled like a failed guarded call (every
         communicator revoked, ``on_failed`` told). Only the main thread may call it."""
         self._check_usable()
         if self._failed_at is not None:

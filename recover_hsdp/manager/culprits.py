@@ -60,7 +60,7 @@ class Culprits:
     """Finds and agrees on the culprits of a non-finite step; see [Note: bad replicas].
 
     Args:
-        world: the fault-tolerant world (``allreduce_global``, ``replica``).
+        world: the ``World`` (collectives/interface.py).
         bucket_sync: this rank's ``BucketSync``.
         outputs: this rank's ``RunMetrics`` (events, written by the writer).
         initial_replicas: W_init (one row of the agreement per initial replica).

@@ -18,7 +18,7 @@ class LocalProcesses:
     """The process of every world rank, indexed by world rank.
 
     Args:
-        world: the fault-tolerant world (``layout.alive_ranks()``, ``world_rank``).
+        world: the ``World`` (collectives/interface.py).
         procs: every world rank's ``ProcessInfo`` (empty in in-process tests: nothing to end).
     """
 

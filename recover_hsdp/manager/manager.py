@@ -62,15 +62,14 @@ from recover_hsdp.manager.between_steps import BetweenSteps
 from recover_hsdp.manager.culprits import Culprits
 from recover_hsdp.manager.failures import FailureLog
 from recover_hsdp.manager.local_processes import LocalProcesses
-from recover_hsdp.manager.phases import PhaseHooks, PhaseTimer, profiler_labels
+from recover_hsdp.manager.phases import PhaseHooks, PhaseTimer
 from recover_hsdp.manager.rejoin import JoinWork, Rejoin
-from recover_hsdp.manager.stragglers import observe_speeds
-from recover_hsdp.manager.totals import StepTotals
+from recover_hsdp.manager.totals import StepTotals, observe_speeds
 from recover_hsdp.manager.work import StepState, StepWork
 from recover_hsdp.manager.writer import WriterDuties
 from recover_hsdp.outputs import (RELAUNCH_REQUEST, RELAUNCH_VERDICT, SUPERVISED_ENV, RunMetrics,
                                   write_json_atomic)
-from recover_hsdp.phases import Phase
+from recover_hsdp.phases import Phase, profiler_labels
 from recover_hsdp.workload import DataRef, Role, WorkloadPolicy
 
 
@@ -83,7 +82,7 @@ class RecoverManager:
     """Drives one ReCoVer step per call to :meth:`step`; see [Note: the step protocol].
 
     Args:
-        world: the fault-tolerant world (``FaultTolerantWorld`` or a fake with its interface).
+        world: a ``World`` (collectives/interface.py): ``FaultTolerantWorld``, or a fake.
         bucket_sync: the ``BucketSync`` installed on this rank's FSDP model.
         policy: the workload policy (same initial state on every rank).
         faults: this rank's ``FaultInjector`` (subscribed to the phase hooks).

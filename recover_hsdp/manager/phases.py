@@ -3,7 +3,7 @@
 See [Note: phases as data] in recover_hsdp/phases.py. Two kinds of announcements:
 
 * ``span(step, phase)``: a phase of the step with a duration (``with`` block). Span openers
-  wrap it: the profiler's ``record_function`` label (:func:`profiler_labels`) and the
+  wrap it: the profiler's ``record_function`` label (``phases.profiler_labels``) and the
   :class:`PhaseTimer` (the step's record carries its seconds as ``phase_s``).
 * ``point(step, phase, **detail)``: an instant inside a span (a microbatch's forward or
   backward, a bucket's reduce, a stage of the consensus, the optimizer update), or a phase
@@ -71,11 +71,3 @@ class PhaseTimer:
         finally:
             self.seconds[phase.value] = (self.seconds.get(phase.value, 0.0)
                                          + time.perf_counter() - started)
-
-
-def profiler_labels(step: int, phase: Phase) -> ContextManager[Any]:
-    """A ``torch.profiler.record_function`` label ``recover/<phase>`` around a span: a profile of
-    a step shows plan / compute / grad_sync / consensus / repair / rereduce / commit."""
-    from torch.profiler import record_function
-
-    return record_function(f"recover/{phase.value}")

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from recover_hsdp.collectives.processes import ProcessInfo
-from recover_hsdp.manager.failures import forget_reasons
+from recover_hsdp.outputs import forget_reasons
 from recover_hsdp.manager.join_parts import (JOIN_ATTEMPTS, CollectiveJoins, JoinWork,
                                              StartedJoin, join_requests)
 from recover_hsdp.manager.local_processes import LocalProcesses

@@ -11,8 +11,12 @@ order is written (the scalar fields, then ``compute_s``, one slot per initial re
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
+
+from recover_hsdp.outputs import RunMetrics
+from recover_hsdp.workload import StepPlan, WorkloadPolicy
 
 
 @dataclasses.dataclass
@@ -79,3 +83,18 @@ class StepTotals:
 
 
 _SCALARS = tuple(f.name for f in dataclasses.fields(StepTotals) if f.name != "compute_s")
+
+
+def observe_speeds(policy: WorkloadPolicy, outputs: RunMetrics, step: int, plan: StepPlan,
+                   compute_s: Sequence[float]) -> None:
+    """[Note: straggler quotas]: feed the committed ``plan``'s replicas' seconds per microbatch
+    (``StepTotals.compute_s``, the same sums on every rank, so every rank keeps the same plan)
+    to ``policy``; a change of the quota weights is one ``events.jsonl`` line (``phase``
+    ``rebalance``)."""
+    if not policy.rebalancer.enabled:
+        return
+    seconds = {r: compute_s[r] for r in plan.alive}
+    if policy.observe_speeds(seconds):
+        outputs.log_event({"step": step, "phase": "rebalance",
+                           "seconds_per_microbatch": {str(r): s for r, s in seconds.items()},
+                           "weights": {str(r): w for r, w in policy.rebalancer.weights.items()}})

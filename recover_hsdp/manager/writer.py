@@ -22,7 +22,7 @@ class WriterDuties:
     """This rank's part in [Note: the writer]: the ledger it writes, if it is the writer.
 
     Args:
-        world: the fault-tolerant world (``alive_replicas``, ``replica``, ``shard``).
+        world: the ``World`` (collectives/interface.py).
         outputs: this rank's ``RunMetrics`` (told whether it writes).
         out_dir: the run's output folder.
     """

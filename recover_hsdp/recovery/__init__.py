@@ -2,12 +2,16 @@
 
   buckets.py        ``BucketSync``: the FSDP2 all-reduce hook; bucket snapshots tagged with the
                     world epoch they were reduced under; restore + re-reduce of stale buckets
+  planes.py         ``DataPlane``, where a bucket's sum travels; ``MpiDataPlane``, the ``mpi`` one
+  staging.py        reused host chunks: [Note: no device tensor reaches MPI]
   fsdp_contract.py  the FSDP2 behaviour the hook relies on, checked at run time
 
-The world it reduces through is duck-typed (``allreduce``, ``epoch``, ``epoch_failed``,
-``fail_epoch``): ``recover_hsdp.collectives.FaultTolerantWorld`` in a job, a fake in tests.
+The world it reduces through is a ``World`` (collectives/interface.py), duck-typed here (this
+layer imports no MPI): ``FaultTolerantWorld`` in a job, ``tests/fakes.FakeWorld`` in tests.
 """
 
 from recover_hsdp.recovery.buckets import Bucket, BucketSync, fsdp_units, local_parameter_checksum
+from recover_hsdp.recovery.planes import DataPlane, MpiDataPlane
 
-__all__ = ["Bucket", "BucketSync", "fsdp_units", "local_parameter_checksum"]
+__all__ = ["Bucket", "BucketSync", "DataPlane", "MpiDataPlane", "fsdp_units",
+           "local_parameter_checksum"]

@@ -59,6 +59,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from recover_hsdp.errors import one_line
 from recover_hsdp.recovery.fsdp_contract import check_grads_are_bucket_views, check_unit
+from recover_hsdp.recovery.planes import DataPlane, MpiDataPlane
 from recover_hsdp.recovery.staging import HostStaging
 
 
@@ -101,17 +102,16 @@ class BucketSync:
 
     Args:
         units: the FSDP units, in module order. Unit ``i``'s hook fills bucket ``i``.
-        world: a :class:`recover_hsdp.collectives.FaultTolerantWorld` (``allreduce``, ``epoch``,
-            ``epoch_failed``, ``fail_epoch``) or a fake with the same methods.
+        world: a ``World`` (collectives/interface.py): ``epoch``, ``epoch_failed``,
+            ``fail_epoch`` and, for the ``mpi`` plane, ``allreduce``.
         host_snapshots: keep snapshots in (pinned) host memory instead of device memory (GPU).
         on_bucket: ``on_bucket(index, rereduce)`` called right before each bucket's reduce
             (fault-injection point "after k of n buckets were reduced").
         hook_stream: GPU only: the stream FSDP runs the hook on (see [Note: hook streams]);
             ``None`` on CPU.
-        plane: the data plane of the sums (``reduce(tensor) -> bool``; with ``overlap`` true
-            also ``start(tensor)`` and ``wait(pending)``: [Note: overlapped bucket sums];
-            [Note: control plane and data plane] in manager/data_plane.py); ``None``: the
-            world's MPI all-reduce through host staging.
+        plane: the ``DataPlane`` of the sums (recovery/planes.py; [Note: overlapped bucket
+            sums] when its ``overlap`` is true); ``None``: ``MpiDataPlane``, the world's MPI
+            all-reduce through host staging.
     """
 
     def __init__(self, units, world, host_snapshots: bool = False, on_bucket=None,
@@ -131,8 +131,8 @@ class BucketSync:
         self.reduce_s = 0.0  # seconds inside the cross-replica reduces this step (waiting for
         # the slowest replica: not this replica's compute, [Note: straggler quotas])
         self.staging = HostStaging()  # GPU buckets' host chunks
-        self.plane = plane
-        self.overlap = bool(getattr(plane, "overlap", False))
+        self.plane: DataPlane = plane if plane is not None else MpiDataPlane(world, self.staging)
+        self.overlap = self.plane.overlap
         self._pending = [0] * len(self.units)  # backward passes per unit since its last hook
         for index, unit in enumerate(self.units):
             unit.set_force_sum_reduction_for_comms(True)
@@ -265,10 +265,7 @@ class BucketSync:
             bucket.pending = self.plane.start(bucket.tensor)
             bucket.enqueued_under = self.world.epoch
             return
-        if self.plane is not None:
-            ok = self.plane.reduce(bucket.tensor)
-        else:
-            ok = self.staging.reduce(bucket.tensor, self.world.allreduce)
+        ok = self.plane.reduce(bucket.tensor)
         bucket.epoch = self.world.epoch if ok else None
 
     def wait_sums(self) -> None:

@@ -319,7 +319,7 @@ def resolve_replica_layout(job_config, dp_world_size: int, dp_rank: int) -> tupl
     TorchTitan only sees the replica's D data-parallel ranks; R and r come from the MPI bootstrap.
     """
     if job_config.recover.enable:
-        from recover_hsdp.manager.bootstrap import current_placement  # MPI path only
+        from recover_hsdp.groups.bootstrap import current_placement  # MPI path only
 
         layout = current_placement()
         return layout.replicas, layout.replica, dp_world_size, dp_rank

@@ -15,7 +15,7 @@ from typing import Mapping
 from recover_hsdp.collectives.mpirun import GPUS_PER_NODE_ENV, RANKS_PER_GPU_ENV, device_index
 from recover_hsdp.config import ConfigError
 
-NEWCOMER_ENV = "RECOVER_HSDP_NEWCOMER"  # recover_hsdp.manager.bootstrap's marker
+NEWCOMER_ENV = "RECOVER_HSDP_NEWCOMER"  # recover_hsdp.groups.bootstrap's marker
 
 
 def rank_slot(environ: Mapping[str, str], world_rank: int, ranks_per_replica: int

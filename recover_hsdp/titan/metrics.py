@@ -37,7 +37,7 @@ class RecoverMetricsProcessor(MetricsProcessor):
         if self.recover:
             import os
 
-            from recover_hsdp.manager.bootstrap import NEWCOMER_ENV, current_placement
+            from recover_hsdp.groups.bootstrap import NEWCOMER_ENV, current_placement
 
             # the manager re-elects after failures; a replacement rank never starts as writer
             writer = current_placement().world_rank == 0 and NEWCOMER_ENV not in os.environ

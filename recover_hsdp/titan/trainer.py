@@ -32,10 +32,10 @@ from recover_hsdp.collectives.processes import write_registry
 from recover_hsdp.config import validate
 from recover_hsdp.errors import one_line
 from recover_hsdp.faults import Phase
-from recover_hsdp.manager import build_injector_for, build_manager, build_world
-from recover_hsdp.manager.bootstrap import NEWCOMER_ENV, bootstrap_replica, newcomer_placement
-from recover_hsdp.manager.replica_group import init_replica_group
+from recover_hsdp.groups.bootstrap import NEWCOMER_ENV, bootstrap_replica, newcomer_placement
+from recover_hsdp.groups.replica_group import init_replica_group
 from recover_hsdp.recovery.staging import HostStaging, to_host
+from recover_hsdp.titan.build import build_injector_for, build_manager, build_world
 from recover_hsdp.titan.metrics import full_tensors
 from recover_hsdp.titan.sources import SampleLog
 from recover_hsdp.workload import DataRef
@@ -122,7 +122,7 @@ class RecoverTrainer(Trainer):
             super().__init__(job_config)
         self.manager = build_manager(job_config, layout, self.model_parts[0],
                                      self.metrics_processor.outputs, world, self._faults,
-                                     self.replica_world.procs)
+                                     self.replica_world.procs, self.replica_group.heartbeat)
         if layout.world_rank == 0 and not self._joining:
             write_registry(job_config.job.dump_folder, self.replica_world.procs)  # launcher's
         self.checkpointer = ReplicaCheckpointer(self.checkpointer, self.manager)
@@ -133,8 +133,9 @@ class RecoverTrainer(Trainer):
     def init_distributed(self) -> ParallelDims:
         layout = self.replica_world.layout
         # timeouts ordered against MPI's, and the replica heartbeat: [Note: a replica leaves
-        # as a unit] (manager/replica_group.py)
-        init_replica_group(self.replica_world, self.job_config, lambda: getattr(self, "step", 0))
+        # as a unit] (groups/replica_group.py)
+        self.replica_group = init_replica_group(self.replica_world, self.job_config,
+                                                lambda: getattr(self, "step", 0))
         if not self._joining:  # the replica's group exists, the model does not yet
             self._faults.at(0, Phase.STARTUP)
         parallelism = self.job_config.parallelism  # [Note: replica layout] (config.py)

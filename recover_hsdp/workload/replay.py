@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replay-paper", action="store_true", required=True,
                     help="replay 32 replicas x 8 microbatches with failures one by one")
-    ap.add_argument("--failures", type=int, default=16, 
+    ap.add_argument("--failures", type=int, default=16,
                     help="failures to inject (stops at 1 alive)")
     ap.add_argument("--replicas", type=int, default=32)
     ap.add_argument("--microbatches", type=int, default=8)

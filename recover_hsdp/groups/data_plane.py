@@ -6,9 +6,10 @@ whether an epoch is clean. The bucket sums themselves go through the data plane 
 ``[recover] data_plane``:
 
 * ``mpi`` (the default on CPU): the world's guarded all-reduce over the shard communicator
-  (``staging.reduce`` + ``FaultTolerantWorld.allreduce``), chunked, btl/tcp.
-* ``torch`` (the default on GPU: ``auto``): a torch.distributed group (gloo on CPU, NCCL on GPU) of the same-position ranks
-  (same shard index) of the alive replicas, in replica order -- the members of this rank's
+  (``MpiDataPlane``, recovery/planes.py), chunked, btl/tcp.
+* ``torch`` (the default on GPU: ``auto``): a torch.distributed group (gloo on CPU, NCCL on
+  GPU) of the same-position ranks (same shard index) of the alive replicas, in replica order -- the
+  members of this rank's
   shard communicator. One group per world epoch: every change of membership (a shrink, a
   rejoin) gives a new epoch, and the first reduce under a new epoch builds a new group before
   it is used. The rendezvous rides on the repaired world: the group's first member (lowest
@@ -52,7 +53,8 @@ import torch.distributed as dist
 from recover_hsdp.collectives.guard import die, log_line
 from recover_hsdp.config import ConfigError
 from recover_hsdp.errors import one_line
-from recover_hsdp.manager import rendezvous
+from recover_hsdp.groups import rendezvous
+from recover_hsdp.recovery.planes import MpiDataPlane
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -71,11 +73,11 @@ class PendingSum(NamedTuple):
 
 
 class TorchDataPlane:
-    """[Note: control plane and data plane], the ``torch`` side.
+    """[Note: control plane and data plane], the ``torch`` side: a ``DataPlane``
+    (recovery/planes.py).
 
     Args:
-        world: the ``FaultTolerantWorld`` (``epoch``, ``alive_replicas``, ``shard_members``,
-            ``allgather``, ``peers_failed``, ``fail_epoch``, ``heartbeat``, ``deadlines``).
+        world: a ``World`` (collectives/interface.py).
         backend: "gloo" or "nccl" (default: NCCL when CUDA is available).
         wire_dtype: "fp32" or "bf16".
         timeout_s: the backend's own timeout (a last resort: the poll decides first).
@@ -236,7 +238,7 @@ class TorchDataPlane:
         hosts = [h for h, _ in gathered]
         try:
             local, _ = rendezvous.local_address(hosts, me)
-            leader = LOCAL_ADDRESS if hosts[0].host == mine.host else _reachable(hosts[0], mine)
+            leader = rendezvous.leader_address(hosts[0], mine)
         except ValueError as err:
             return self._failed(f"data plane rendezvous: {err}")
         prefix = f"dp/e{key[0]}/s{world.shard}"
@@ -276,19 +278,6 @@ class TorchDataPlane:
         return group
 
 
-LOCAL_ADDRESS = rendezvous.LOCAL
-
-
-def _reachable(leader: rendezvous.HostAddresses, mine: rendezvous.HostAddresses) -> str:
-    """An address of the leader's host this host routes to over the job's interfaces."""
-    own = set(mine.addresses)
-    for address in leader.addresses:
-        if address not in own and rendezvous.route_source(address) in own:
-            return address
-    raise ValueError(f"no address of host {leader.host} ({leader.addresses}) is routable from "
-                     f"{mine.host} over the job's interfaces ({sorted(own) or 'none'})")
-
-
 def resolve_data_plane(name: str, device=None, ranks_per_gpu: int = 1) -> str:
     """``[recover] data_plane`` for a model on ``device``: ``auto`` is ``torch`` on CUDA with
     one rank per GPU, ``mpi`` otherwise (config.py says why). NCCL takes one rank per GPU in a
@@ -306,14 +295,14 @@ def resolve_data_plane(name: str, device=None, ranks_per_gpu: int = 1) -> str:
 def build_data_plane(rc, world, device=None, timeout_s: float = 1800.0,
                      ranks_per_gpu: int = 1):
     """The data plane ``[recover] data_plane`` names for ``world`` (``auto`` resolved for
-    ``device``): None for ``mpi`` (the world's own all-reduce, ``BucketSync``'s default), a
-    :class:`TorchDataPlane` for ``torch``."""
+    ``device``): an ``MpiDataPlane`` (recovery/planes.py: the world's own all-reduce) or a
+    :class:`TorchDataPlane`; either is a ``DataPlane``."""
     plane = resolve_data_plane(rc.data_plane, device, ranks_per_gpu)
     if world.world_rank == 0:
         how = "" if plane == "mpi" else (f", wire {rc.wire_dtype}, sums "
                                          + ("overlapped" if rc.overlap_reduce else "in the hook"))
         log_line(f"data plane: {plane} (data_plane = {rc.data_plane}){how}")
     if plane == "mpi":
-        return None
+        return MpiDataPlane(world)
     return TorchDataPlane(world, wire_dtype=rc.wire_dtype, timeout_s=timeout_s, device=device,
                           overlap=rc.overlap_reduce)

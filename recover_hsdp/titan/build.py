@@ -1,4 +1,5 @@
-"""``build_manager``: the RecoverManager of one rank of a real job, wired from the config."""
+"""The glue that wires one rank of a real job from its config: the world, the faults, the
+manager (``RecoverTrainer`` is the only caller)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def build_world(job_config, placement, procs: Sequence[ProcessInfo] = (),
     trainer builds the model, the data and loads a checkpoint is then an ordinary death found
     by step 1's collectives, not a failed MPI call of the start-up."""
     from recover_hsdp.collectives import MPI, FaultTolerantWorld
-    from recover_hsdp.manager.replica_group import job_deadlines
+    from recover_hsdp.groups.timeouts import job_deadlines
 
     run = procs[0] if procs else None  # rank 0's process names the run: claims never mix runs
     arbiter = (Path(job_config.job.dump_folder) / "membership" / f"{run.host}-{run.pid}-{run.start}"
@@ -43,13 +44,13 @@ def build_injector_for(job_config, placement):
 
 
 def build_manager(job_config, placement, model, outputs: RunMetrics, world, faults,
-                  procs: Sequence[ProcessInfo] = ()) -> RecoverManager:
+                  procs: Sequence[ProcessInfo] = (), heartbeat=None) -> RecoverManager:
     """The manager of one rank of a job: its ``world`` (:func:`build_world`), the policy from
     the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
-    rank's ``faults``. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap)."""
+    rank's ``faults``. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap);
+    ``heartbeat``: the replica group's (``ReplicaGroup.heartbeat``; None: none)."""
     from recover_hsdp.config import (data_ranks_per_replica, microbatches_per_replica,
                                      straggler_rule)
-    from recover_hsdp.manager.replica_group import active_heartbeat
     from recover_hsdp.recovery import BucketSync, local_parameter_checksum
 
     rc, training = job_config.recover, job_config.training
@@ -74,22 +75,20 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
         respawn_after_steps=rc.respawn_after_steps, emergency_checkpoint=rc.emergency_checkpoint,
         nonfinite_max_offences=rc.nonfinite_max_offences,
         nonfinite_window_steps=rc.nonfinite_window_steps)
-    heartbeat = active_heartbeat()
     if heartbeat is not None:  # a rank leaving normally says goodbye to its replica peers
         world.on_leave = heartbeat.stand_down
     return manager
 
 
 def _data_plane(job_config, world, model):
-    """[Note: control plane and data plane] (manager/data_plane.py): None for ``mpi``. The
-    torch group's own timeout is the replica group's (a last resort: the control plane's
-    poll abandons a blocked call first)."""
+    """[Note: control plane and data plane] (groups/data_plane.py). The torch group's own
+    timeout is the replica group's (a last resort: the control plane's poll abandons a
+    blocked call first)."""
     from recover_hsdp.collectives.mpirun import RANKS_PER_GPU_ENV
-    from recover_hsdp.manager.data_plane import build_data_plane
-    from recover_hsdp.manager.replica_group import group_timeout_s, job_deadlines
+    from recover_hsdp.groups.data_plane import build_data_plane
+    from recover_hsdp.groups.timeouts import replica_group_timeout_s
 
     rc = job_config.recover
     device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
-    timeout = group_timeout_s(job_deadlines(job_config), rc.detect_timeout_s)
-    return build_data_plane(rc, world, device=device, timeout_s=timeout,
+    return build_data_plane(rc, world, device=device, timeout_s=replica_group_timeout_s(job_config),
                             ranks_per_gpu=int(os.environ.get(RANKS_PER_GPU_ENV, "1") or 1))

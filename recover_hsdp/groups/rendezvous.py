@@ -1,7 +1,7 @@
 """The address a rank advertises to its replica peers: one they can reach.
 
 [Note: rendezvous address] The replica's TCPStore, its gloo sockets and its heartbeat
-([Note: a replica leaves as a unit] in manager/replica_group.py) must be reachable from every
+([Note: a replica leaves as a unit] in groups/replica_group.py) must be reachable from every
 rank of the replica. ``gethostbyname(gethostname())`` is not: Debian/Ubuntu map the host name to
 127.0.1.1, and on the namespace nodes of the tests it does not resolve at all (the old code then
 fell back to 127.0.0.1). The rule, applied by every rank at bootstrap with the replica's host
@@ -118,6 +118,20 @@ def spans_hosts(hosts: list[HostAddresses]) -> bool:
     return len({h.host for h in hosts}) > 1
 
 
+def route(peer: HostAddresses, own: set[str] | dict[str, str]) -> tuple[str, str] | None:
+    """The route choice (rule 2 of [Note: rendezvous address]): (an address of ``peer``'s
+    host, the local address the kernel sends to it from) for the first of ``peer``'s addresses
+    that is not also this host's (a docker0 on every host is no route between them) and whose
+    route source is one of ``own`` (this host's addresses the job's MPI uses); None: none."""
+    for address in peer.addresses:
+        if address in own:
+            continue
+        source = route_source(address)
+        if source in own:
+            return address, source
+    return None
+
+
 def local_address(hosts: list[HostAddresses], me: int) -> tuple[str, str | None]:
     """Rules 1, 2 and 4 of [Note: rendezvous address] for rank ``me`` of the replica ``hosts``:
     (the address its peers reach it at, its interface or None). Raises ``ValueError`` (one line)."""
@@ -127,17 +141,27 @@ def local_address(hosts: list[HostAddresses], me: int) -> tuple[str, str | None]
         return LOCAL, None
     own = dict((addr, name) for name, addr in mine.interfaces)
     for peer in remote:
-        for address in peer.addresses:
-            if address in own:
-                continue  # the same address on both hosts (docker0): not a route between them
-            source = route_source(address)
-            if source in own:
-                return source, own[source] or None
+        found = route(peer, own)
+        if found is not None:
+            return found[1], own[found[1]] or None
     raise ValueError(
         f"no address of host {mine.host} (usable by MPI: {sorted(own) or 'none'}) routes to its "
         f"replica peers on {sorted({h.host for h in remote})} ({[h.addresses for h in remote]}): "
         f"a replica spanning hosts needs a routable interface (check the network, or set "
         f"{STORE_HOST_ENV} and GLOO_SOCKET_IFNAME)")
+
+
+def leader_address(leader: HostAddresses, mine: HostAddresses) -> str:
+    """The address this host reaches ``leader``'s host at (a per-epoch group's store):
+    loopback on the same host, else :func:`route`. Raises ``ValueError`` (one line)."""
+    if leader.host == mine.host:
+        return LOCAL
+    found = route(leader, set(mine.addresses))
+    if found is None:
+        raise ValueError(f"no address of host {leader.host} ({leader.addresses}) is routable "
+                         f"from {mine.host} over the job's interfaces "
+                         f"({sorted(mine.addresses) or 'none'})")
+    return found[0]
 
 
 def store_address(hosts: list[HostAddresses], me: int, env=None) -> str:

@@ -2,15 +2,19 @@
 
 Replica ``r = world_rank // S`` and shard index ``s = world_rank % S``. The replica's ranks
 exchange their host names and interfaces over MPI and each picks the address its peers reach it
-at ([Note: rendezvous address] in manager/rendezvous.py); the shard-0 rank opens a TCPStore there
+at ([Note: rendezvous address] in groups/rendezvous.py); the shard-0 rank opens a TCPStore there
 on a free port, its address travels to the other S-1 ranks over MPI, and the S ranks form the
 replica's own torch.distributed world (gloo on CPU, NCCL on GPU); with S > 1 each also opens the
 UDP socket of the replica's heartbeat ([Note: a replica leaves as a unit] in
-manager/replica_group.py). TorchTitan
-only ever sees that world: FSDP2 shards the model over the replica's S ranks. Everything that
-crosses replicas goes through MPI (see :mod:`recover_hsdp.collectives`).
+groups/replica_group.py). TorchTitan only ever sees that world: FSDP2 shards the model over
+the replica's S ranks. Everything that crosses replicas goes through MPI (see
+:mod:`recover_hsdp.collectives`).
 
-Call :func:`bootstrap_replica` once per process, before TorchTitan builds its Trainer.
+Call :func:`bootstrap_replica` once per process, before TorchTitan builds its Trainer. It
+publishes this rank's placement in the environment (``RECOVER_HSDP_PLACEMENT``), beside the
+``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` that torch.distributed and TorchTitan read the same
+way: the TrainSpec's dataloader and metrics builders, which TorchTitan calls with its own
+arguments only, read it with :func:`current_placement`.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import torch.distributed as dist
 from recover_hsdp.collectives import MPI  # imports mpi4py with the ULFM settings
 from recover_hsdp.collectives.processes import ProcessInfo
 from recover_hsdp.config import ConfigError
-from recover_hsdp.manager import rendezvous
-from recover_hsdp.manager.replica_heartbeat import open_socket
+from recover_hsdp.groups import rendezvous
+from recover_hsdp.groups.heartbeat import open_socket
 
-_PLACEMENT: "ProcessPlacement | None" = None
+PLACEMENT_ENV = "RECOVER_HSDP_PLACEMENT"
+"""``"world_rank/world_size/ranks_per_replica"`` of this process (set by the bootstrap)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,14 @@ class ProcessPlacement:
     def shard(self) -> int:
         return self.world_rank % self.ranks_per_replica
 
+    def to_env(self) -> str:
+        return f"{self.world_rank}/{self.world_size}/{self.ranks_per_replica}"
+
+    @classmethod
+    def from_env(cls, value: str) -> "ProcessPlacement":
+        world_rank, world_size, ranks_per_replica = (int(v) for v in value.split("/"))
+        return cls(world_rank, world_size, ranks_per_replica)
+
 
 @dataclass
 class ReplicaWorld:
@@ -74,9 +87,12 @@ class HeartbeatWiring:
 
 
 def current_placement() -> ProcessPlacement:
-    if _PLACEMENT is None:
-        raise RuntimeError("recover_hsdp.manager.bootstrap.bootstrap_replica() has not run in this process")
-    return _PLACEMENT
+    """This process's placement, as :func:`bootstrap_replica` published it."""
+    value = os.environ.get(PLACEMENT_ENV)
+    if not value:
+        raise RuntimeError("recover_hsdp.groups.bootstrap.bootstrap_replica() has not run in "
+                           "this process")
+    return ProcessPlacement.from_env(value)
 
 
 def _addresses(replica_comm, shard: int, size: int):
@@ -130,7 +146,6 @@ def bootstrap_replica(ranks_per_replica: int, timeout_s: float = 300.0,
     ``init_process_group``; the replica's shard-0 rank hosts it. ``placement``: a newcomer's
     (:func:`newcomer_placement`), whose place in the job is not its rank in ``comm``.
     """
-    global _PLACEMENT
     comm = comm or MPI.COMM_WORLD
     if ranks_per_replica < 1 or comm.Get_size() % ranks_per_replica:
         raise ValueError(f"ranks_per_replica={ranks_per_replica} does not divide the MPI world "
@@ -158,6 +173,6 @@ def bootstrap_replica(ranks_per_replica: int, timeout_s: float = 300.0,
         peers = {shard: tuple(a) for shard, a in enumerate(beat_addresses) if shard != layout.shard}
         beats = HeartbeatWiring(sock, peers, token)
     os.environ.update(RANK=str(layout.shard), WORLD_SIZE=str(ranks_per_replica),
-                      MASTER_ADDR=address[0], MASTER_PORT=str(address[1]))
-    _PLACEMENT = layout
+                      MASTER_ADDR=address[0], MASTER_PORT=str(address[1]),
+                      **{PLACEMENT_ENV: layout.to_env()})
     return ReplicaWorld(layout, store, procs, beats)

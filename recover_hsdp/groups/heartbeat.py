@@ -1,6 +1,6 @@
 """``ReplicaHeartbeat``: a UDP heartbeat among the S ranks of one replica, on its own thread.
 
-Why it exists and what acts on it: [Note: a replica leaves as a unit] (manager/replica_group.py).
+Why it exists and what acts on it: [Note: a replica leaves as a unit] (groups/replica_group.py).
 Each rank sends a datagram to every peer of its replica every ``period_s`` and calls
 ``on_lost(shard, silent_s)`` once, from the heartbeat thread, when a peer has been silent for
 ``timeout_s``. The thread never waits for the main thread: a main thread that computes, saves a
