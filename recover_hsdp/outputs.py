@@ -16,26 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from recover_hsdp import handshake
 
 #: Files a run writes into its output folder (checkpoints live in their own subfolder).
 RUN_FILES = ("metrics.jsonl", "events.jsonl", "ledger.jsonl", "faults_fired.jsonl", "summary.json",
-             "final_params.pt", "procs.json", "relaunch-request.json", "relaunch-verdict.json")
-#: The writer's word to the launcher: an emergency checkpoint is complete ([Note: emergency
-#: checkpoint] in manager/manager.py); the launcher checks the lost host and either ends the
-#: job to relaunch from it or answers with the verdict "go on" (the host answers).
-RELAUNCH_REQUEST = "relaunch-request.json"
-RELAUNCH_VERDICT = "relaunch-verdict.json"
-#: Set (exported to every rank) when ``recover-hsdp train`` supervises the job: the writer then
-#: waits for the verdict after an emergency checkpoint.
-SUPERVISED_ENV = "RECOVER_HSDP_SUPERVISED"
-
-
-def write_json_atomic(path: str | Path, record: dict[str, Any]) -> None:
-    """``record`` as JSON at ``path``, renamed into place: a reader never sees half of it."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+             "final_params.pt", "procs.json", *handshake.FILES)
 
 
 def clear_run_files(out_dir: str | Path, keep: tuple[str, ...] = ()) -> list[str]:

@@ -1,6 +1,8 @@
 """In-process fake of the rejoin primitives ([Note: rejoin] in recover_hsdp/collectives/join.py)
 over a ``FakeHub`` (tests/fakes.py): ``FakeJoins`` is what ``Rejoin``
-(recover_hsdp/manager/rejoin.py) takes as ``joins`` in place of ``CollectiveJoins``.
+(recover_hsdp/manager/rejoin.py) takes as ``joins`` in place of ``CollectiveJoins``: the
+``Joins`` protocol of recover_hsdp/manager/joins.py (tests/test_join_interface.py checks the
+method names and signatures).
 
 Faked, with the contract of the real primitives:
   spawn          the spawner alone starts S rank threads per replica (``FakeHub.start_rank``),
@@ -51,7 +53,7 @@ from recover_hsdp.collectives.membership import JoinOffer, ReplicaLayout
 
 
 class FakeJoins:
-    """The join primitives of ``CollectiveJoins`` over ``hub``; one object for every rank.
+    """``Joins`` (the join's collective operations) over ``hub``; one object for every rank.
 
     Args:
         hub: the fake world.
@@ -126,8 +128,11 @@ class FakeJoins:
         return FakeLink(join, world)
 
     @staticmethod
-    def offer(*args, **kwargs) -> JoinOffer:
-        return JoinOffer(*args, **kwargs)
+    def offer(epoch: int, alive_replicas: tuple[int, ...], new_replicas: tuple[int, ...],
+              ranks_per_replica: int, num_replicas: int, donor: int, payload: dict[str, Any]
+              ) -> JoinOffer:
+        return JoinOffer(epoch, alive_replicas, new_replicas, ranks_per_replica, num_replicas,
+                         donor, payload)
 
     def exit_newcomer(self) -> None:
         """A given-up join ends the newcomer (the real one: exit 0)."""

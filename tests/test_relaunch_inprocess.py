@@ -12,10 +12,10 @@ import pytest
 
 from recover_hsdp.cli import attempts
 from recover_hsdp.cli import hosts as remote
+from recover_hsdp.cli.hostfile import HostEntry, parse_hostfile
 from recover_hsdp.cli.hosts import ssh_agent
-from recover_hsdp.cli.relaunch import (Evidence, HostEntry, daemon_hosts, ends_the_same_way,
-                                       lost_hosts, merge_steps,
-                                       newest_complete_checkpoint, parse_hostfile, plan_relaunch,
+from recover_hsdp.cli.relaunch import (Evidence, daemon_hosts, ends_the_same_way, lost_hosts,
+                                       merge_steps, newest_complete_checkpoint, plan_relaunch,
                                        ranks_per_host_of)
 
 LOST_DAEMON = """--------------------------------------------------------------------------
@@ -301,19 +301,51 @@ def test_relaunch_request_ends_the_job_only_when_a_host_is_silent(tmp_path, monk
     all answer -> the verdict "go on" for that step; one silent -> end mpirun (a reason)."""
     import time
 
+    from recover_hsdp import handshake
     from recover_hsdp.cli import attempts
-    from recover_hsdp.outputs import RELAUNCH_REQUEST, RELAUNCH_VERDICT, write_json_atomic
 
     answers = {"a": "a", "b": "b"}
     monkeypatch.setattr(attempts.remote, "host_names", lambda agent, hosts: dict(answers))
     request = attempts.RelaunchRequest(tmp_path, ["ssh"], ["a", "b"])
     assert request.check() is None                                  # no request yet
-    write_json_atomic(tmp_path / RELAUNCH_REQUEST, {"step": 5, "hosts": ["b"]})
+    handshake.write_request(tmp_path, 5, ["b"])
     assert request.check() is None                                  # every host answers
-    assert json.loads((tmp_path / RELAUNCH_VERDICT).read_text()) == {"step": 5, "go_on": True}
+    assert json.loads((tmp_path / handshake.VERDICT).read_text()) == {"step": 5, "go_on": True}
+    assert handshake.wait_for_verdict(tmp_path, 5, timeout_s=1.0)           # the writer reads it
     time.sleep(0.01)
     answers["b"] = None
-    write_json_atomic(tmp_path / RELAUNCH_REQUEST, {"step": 9, "hosts": ["b"]})
+    handshake.write_request(tmp_path, 9, ["b"])
     reason = request.check()
     assert reason is not None and "b lost" in reason and "step 9" in reason
     assert request.check() is None                                  # asked once per request
+
+
+def test_the_writer_waits_for_the_launchers_verdict(tmp_path, monkeypatch):
+    """[Note: emergency checkpoint] from the writer's side (``RecoverManager``): the request
+    names the step and the emptied hosts; supervised, the writer returns once the launcher's
+    verdict for that step is there (the launcher's side: the test above)."""
+    import contextlib
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from recover_hsdp import handshake
+    from recover_hsdp.manager import RecoverManager
+
+    writer = SimpleNamespace(
+        _emptied_hosts={"b"}, writer=SimpleNamespace(is_writer=True), out_dir=tmp_path,
+        world=SimpleNamespace(watchdog_paused=contextlib.nullcontext))
+    monkeypatch.delenv(handshake.SUPERVISED_ENV, raising=False)
+    RecoverManager.emergency_checkpoint_saved(writer, 4)            # unsupervised: no wait
+    assert handshake.read_request(tmp_path)[1]["step"] == 4 and writer._emptied_hosts == set()
+
+    monkeypatch.setenv(handshake.SUPERVISED_ENV, "1")               # handshake.supervise()
+    writer._emptied_hosts = {"c"}
+    launcher = threading.Timer(0.2, handshake.write_verdict, (tmp_path, 8))
+    started = time.monotonic()
+    launcher.start()
+    RecoverManager.emergency_checkpoint_saved(writer, 8)            # returns on the verdict
+    assert 0.15 < time.monotonic() - started < handshake.VERDICT_WAIT_S
+    launcher.join()
+    assert handshake.read_request(tmp_path)[1]["hosts"] == ["c"]
+    assert json.loads((tmp_path / handshake.VERDICT).read_text())["step"] == 8

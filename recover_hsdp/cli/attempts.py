@@ -6,6 +6,10 @@ abnormal end, ends the old job's processes on every host that answers, keeps the
 outputs in ``relaunch/attempt-<k>/``, writes the next attempt's hostfile
 (``relaunch/hostfile-<k>``) and, once an attempt completes (or the relaunches are used up),
 merges the attempts' outputs into the output folder and records every relaunch.
+:func:`run_attempt` runs one attempt and judges it (``AttemptResult``: COMPLETED, RELAUNCH
+with the next attempt's command and record, or GIVE_UP with the reason);
+:func:`train_with_relaunch` loops over them. The writer's relaunch request and the verdict
+are files of recover_hsdp/handshake.py (``RelaunchRequest`` answers them).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import dataclasses
+import enum
 import json
 import os
 import shutil
@@ -20,13 +26,15 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
+from recover_hsdp import handshake
 from recover_hsdp.cli import hosts as remote
 from recover_hsdp.cli import relaunch, slurm
+from recover_hsdp.cli.hostfile import HostEntry, format_hostfile, read_hostfile
 from recover_hsdp.collectives.processes import read_registry, read_start_records
 from recover_hsdp.config import ConfigError, data_ranks_per_replica
-from recover_hsdp.outputs import (RELAUNCH_REQUEST, RELAUNCH_VERDICT, SUPERVISED_ENV,
-                                  clear_run_files, write_json_atomic)
+from recover_hsdp.outputs import clear_run_files
 
 RELAUNCH_DIR = "relaunch"
 MOVED = ("metrics.jsonl", "events.jsonl", "ledger.jsonl", "faults_fired.jsonl", "summary.json",
@@ -70,30 +78,101 @@ def _completed(out: Path) -> dict | None:
     return summary if summary.get("completed") else None
 
 
+class Verdict(enum.Enum):
+    """How an attempt ended, as the launcher judges it ([Note: the relaunch tier])."""
+
+    COMPLETED = "completed"  # summary.json says completed
+    RELAUNCH = "relaunch"    # ended abnormally; the next attempt is planned and built
+    GIVE_UP = "give up"      # ended abnormally; no relaunch (why: ``reason``)
+
+
+@dataclasses.dataclass
+class AttemptResult:
+    """One attempt's end (:func:`run_attempt`): mpirun's exit code, and for RELAUNCH the next
+    attempt's command and the relaunch's record, for GIVE_UP the reason."""
+
+    verdict: Verdict
+    returncode: int
+    command: list[str] | None = None
+    record: relaunch.RelaunchRecord | None = None
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class Job:
+    """What every attempt of one ``recover-hsdp train`` job shares (:func:`prepare_job`)."""
+
+    args: argparse.Namespace      # the first attempt's (later ones are copies)
+    build_job: Callable           # args -> (mpirun command, output folder, job config)
+    supervise: Callable           # ``launch.supervise``: one mpirun, its exit code
+    env: dict
+    out: Path
+    entries: list[HostEntry]      # the hostfile's hosts (standby ones too)
+    agent: list[str]              # mpirun's ssh agent (reaches the hosts)
+    ranks_per_replica: int
+    per_host: int | None          # ranks per host of the GPU layout, else None
+    batch: int                    # B (kept when a relaunch from scratch changes R)
+    checkpoints: Path | None      # the DCP folder
+    max_relaunches: int
+
+
 def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dict) -> int:
     """Run ``recover-hsdp train`` attempts until one completes ([Note: the relaunch tier]).
     Returns the launcher's exit code."""
+    job, command = prepare_job(args, build_job, supervise, env)
+    records: list[relaunch.RelaunchRecord] = []
+    while True:
+        result = run_attempt(job, command, records)
+        if result.verdict is not Verdict.RELAUNCH:
+            break
+        command, record = result.command, result.record
+        # the old job's claims stay: a cut-off part of it may still be alive and must find the
+        # majority's claim there and stop ([Note: split brain] in collectives/arbiter.py)
+        clear_run_files(job.out, keep=("membership",))
+        records.append(record)
+        print(f"recover-hsdp: relaunch {record.attempt}/{job.max_relaunches}: {record.cause}; "
+              f"{record.replicas} replica(s) on {', '.join(record.hosts)} from step "
+              f"{record.resume_step} ({record.steps_lost} step(s) to redo)", flush=True)
+    if result.verdict is Verdict.GIVE_UP:
+        print(f"recover-hsdp: no relaunch: {result.reason}", file=sys.stderr, flush=True)
+    if records:
+        _merge(job.out, records)
+    return result.returncode
+
+
+def prepare_job(args: argparse.Namespace, build_job, supervise, env: dict
+                ) -> tuple[Job, list[str]]:
+    """The job's shared facts and the first attempt's command; the output folder emptied of an
+    earlier run's files."""
     hostfile_in_mpi_args(args)
-    os.environ[SUPERVISED_ENV] = "1"  # exported to the ranks: [Note: emergency checkpoint]
+    handshake.supervise()  # exported to the ranks: [Note: emergency checkpoint]
     if args.hostfile is None and slurm.in_allocation():  # [Note: Slurm allocations]
         args.out = str(Path(args.out or Path("outputs") / Path(args.config).stem).resolve())
         args.hostfile = str(slurm.write_allocation_hostfile(Path(args.out)))
         args.mpi_arg = slurm.prted_step_overlaps(list(args.mpi_arg))
         print(f"recover-hsdp: Slurm allocation {os.environ.get('SLURM_JOB_ID', '?')}: its nodes "
               f"in {args.hostfile}", flush=True)
-    command, out, job = build_job(args)
-    rc = job.recover
-    entries = (relaunch.parse_hostfile(Path(args.hostfile).read_text()) if args.hostfile
-               else [relaunch.HostEntry(socket.gethostname(), socket.gethostname())])
-    agent = remote.ssh_agent(args.mpi_arg)
+    command, out, config = build_job(args)
+    rc = config.recover
     ranks_per_replica = args.ranks_per_replica or rc.ranks_per_replica
-    per_host = relaunch.ranks_per_host_of(args.mpi_arg, args.gpus_per_node or 0,
-                                          args.ranks_per_gpu)
-    fsdp = data_ranks_per_replica(ranks_per_replica, job.parallelism.tensor_parallel_degree)
-    batch = (job.training.global_batch_size if job.training.global_batch_size > 0
-             else job.training.local_batch_size * args.replicas * fsdp)
-    folder = (Path(job.job.dump_folder) / job.checkpoint.folder
-              if job.checkpoint.enable else None)
+    fsdp = data_ranks_per_replica(ranks_per_replica, config.parallelism.tensor_parallel_degree)
+    job = Job(
+        args, build_job, supervise, env, out,
+        entries=(read_hostfile(args.hostfile) if args.hostfile
+                 else [HostEntry(socket.gethostname(), socket.gethostname())]),
+        agent=remote.ssh_agent(args.mpi_arg), ranks_per_replica=ranks_per_replica,
+        per_host=relaunch.ranks_per_host_of(args.mpi_arg, args.gpus_per_node or 0,
+                                            args.ranks_per_gpu),
+        batch=(config.training.global_batch_size if config.training.global_batch_size > 0
+               else config.training.local_batch_size * args.replicas * fsdp),
+        checkpoints=(Path(config.job.dump_folder) / config.checkpoint.folder
+                     if config.checkpoint.enable else None),
+        max_relaunches=rc.max_relaunches)
+    _fresh_outputs(out)
+    return job, command
+
+
+def _fresh_outputs(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     removed = clear_run_files(out)  # an earlier run's outputs never mix with this one's
     if (out / RELAUNCH_DIR).is_dir():
@@ -102,116 +181,118 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
     if removed:
         print(f"recover-hsdp: {out}: removed the earlier run's {', '.join(removed)}", flush=True)
     (out / RELAUNCH_DIR).mkdir()
-    records: list[relaunch.RelaunchRecord] = []
-    returncode = 0
-    while True:
-        print("+ " + " ".join(command), flush=True)
-        tail: collections.deque = collections.deque(maxlen=400)
-        first_step: list[float] = []
 
-        def watch() -> None:
-            if not first_step and records and (out / "metrics.jsonl").exists() and \
-                    (out / "metrics.jsonl").stat().st_size > 0:
-                first_step.append(time.time())
 
-        gone = records[-1].lost_hosts if records else {}
-        request = RelaunchRequest(out, agent, [e.name for e in entries if e.name not in gone])
-        returncode = supervise(command, env, out, args.end_grace, tail=tail, on_poll=watch,
-                               should_end=request.check)
-        ended_at = time.time()
-        if records:
-            _training_again(records[-1], first_step)
-        if _completed(out) is not None:
-            break
-        # who answers, as whom (asked already if the job was ended on the writer's request)
-        aliases = request.answers or remote.host_names(agent, [e.name for e in entries])
-        attempt = len(records)
-        evidence = relaunch.Evidence(
-            log_text="".join(tail), procs=[p.__dict__ for p in read_registry(out)],
-            start_records=read_start_records(out), events=_read_jsonl(out / "events.jsonl"),
-            unanswered={h for h, n in aliases.items() if n is None},
-            aliases={h: n for h, n in aliases.items() if n}, launcher_host=socket.gethostname(),
-            ranks_per_replica=ranks_per_replica)
-        lost_before = records[-1].lost_hosts if records else {}
-        new = relaunch.lost_hosts([e.name for e in entries if e.name not in lost_before],
-                                  evidence)
-        lost = {**lost_before, **new}
-        _end_old_job(agent, evidence, entries, out)
-        last_step = max((s["step"] for s in _read_jsonl(out / "metrics.jsonl")),
-                        default=(records[-1].resume_step if records else 0))
-        hopeless = relaunch.ends_the_same_way(evidence.start_records,
-                                              bool(_read_jsonl(out / "metrics.jsonl")), len(new))
-        plan = relaunch.plan_relaunch(entries, lost, ranks_per_replica, args.replicas, per_host,
-                                      relaunch.newest_complete_checkpoint(folder), len(records),
-                                      rc.max_relaunches, hopeless)
-        _keep_attempt(out, attempt, "".join(tail))
-        if isinstance(plan, str):
-            print(f"recover-hsdp: no relaunch: {plan}", file=sys.stderr, flush=True)
-            break
-        current = copy.copy(args)
-        current.replicas = plan.replicas
-        current.fault = []  # injected faults belong to the first attempt
-        current.hostfile = str(_write_hostfile(out, attempt + 1, plan.hosts)) \
-            if args.hostfile else None
-        current.overrides = [*args.overrides]
-        if plan.resume_step:
-            current.overrides += ["--checkpoint.load_step", str(plan.resume_step)]
-        elif plan.replicas != args.replicas:
-            current.overrides += ["--training.global_batch_size", str(batch)]  # B unchanged
-        cause = "; ".join(f"{h}: {why}" for h, why in new.items()) or \
-            f"mpirun ended (exit code {returncode}) without a completed summary"
-        record = relaunch.RelaunchRecord(
-            attempt=attempt + 1, cause=cause, lost_hosts=lost,
-            hosts=[e.name for e in plan.hosts], replicas=plan.replicas,
-            resume_step=plan.resume_step, last_step=last_step,
-            steps_lost=max(0, last_step - plan.resume_step),
-            failure_at=relaunch.failure_time(evidence.events, ended_at, set(lost)),
-            ended_at=ended_at, relaunched_at=time.time())
-        try:
-            command, _, _ = build_job(current)
-        except ConfigError as err:
-            print(f"recover-hsdp: no relaunch: {err}", file=sys.stderr, flush=True)
-            break
-        # the old job's claims stay: a cut-off part of it may still be alive and must find the
-        # majority's claim there and stop ([Note: split brain] in collectives/arbiter.py)
-        clear_run_files(out, keep=("membership",))
-        records.append(record)
-        print(f"recover-hsdp: relaunch {record.attempt}/{rc.max_relaunches}: {cause}; "
-              f"{plan.replicas} replica(s) on {', '.join(record.hosts)} from step "
-              f"{plan.resume_step} ({record.steps_lost} step(s) to redo)", flush=True)
+def run_attempt(job: Job, command: list[str], records: list[relaunch.RelaunchRecord]
+                ) -> AttemptResult:
+    """Run one attempt (``records``: the relaunches so far) and judge how it ended: completed,
+    or the evidence gathered, the old job ended, and the next attempt planned (or none)."""
+    out = job.out
+    print("+ " + " ".join(command), flush=True)
+    tail: collections.deque = collections.deque(maxlen=400)
+    first_step: list[float] = []
+
+    def watch() -> None:
+        if not first_step and records and (out / "metrics.jsonl").exists() and \
+                (out / "metrics.jsonl").stat().st_size > 0:
+            first_step.append(time.time())
+
+    gone = records[-1].lost_hosts if records else {}
+    request = RelaunchRequest(out, job.agent, [e.name for e in job.entries if e.name not in gone])
+    returncode = job.supervise(command, job.env, out, job.args.end_grace, tail=tail,
+                               on_poll=watch, should_end=request.check)
+    ended_at = time.time()
     if records:
-        _merge(out, records)
-    return returncode
+        _training_again(records[-1], first_step)
+    if _completed(out) is not None:
+        return AttemptResult(Verdict.COMPLETED, returncode)
+    return _judge(job, records, request, "".join(tail), returncode, ended_at)
+
+
+def _judge(job: Job, records: list[relaunch.RelaunchRecord], request: RelaunchRequest,
+           log_text: str, returncode: int, ended_at: float) -> AttemptResult:
+    """[Note: the relaunch tier] steps 1-3 after an abnormal end."""
+    out, entries = job.out, job.entries
+    # who answers, as whom (asked already if the job was ended on the writer's request)
+    aliases = request.answers or remote.host_names(job.agent, [e.name for e in entries])
+    attempt = len(records)
+    evidence = relaunch.Evidence(
+        log_text=log_text, procs=[p.__dict__ for p in read_registry(out)],
+        start_records=read_start_records(out), events=_read_jsonl(out / "events.jsonl"),
+        unanswered={h for h, n in aliases.items() if n is None},
+        aliases={h: n for h, n in aliases.items() if n}, launcher_host=socket.gethostname(),
+        ranks_per_replica=job.ranks_per_replica)
+    lost_before = records[-1].lost_hosts if records else {}
+    new = relaunch.lost_hosts([e.name for e in entries if e.name not in lost_before], evidence)
+    lost = {**lost_before, **new}
+    _end_old_job(job.agent, evidence, entries, out)
+    last_step = max((s["step"] for s in _read_jsonl(out / "metrics.jsonl")),
+                    default=(records[-1].resume_step if records else 0))
+    hopeless = relaunch.ends_the_same_way(evidence.start_records,
+                                          bool(_read_jsonl(out / "metrics.jsonl")), len(new))
+    plan = relaunch.plan_relaunch(entries, lost, job.ranks_per_replica,
+                                  job.args.replicas, job.per_host,
+                                  relaunch.newest_complete_checkpoint(job.checkpoints),
+                                  len(records), job.max_relaunches, hopeless)
+    _keep_attempt(out, attempt, log_text)
+    if isinstance(plan, str):
+        return AttemptResult(Verdict.GIVE_UP, returncode, reason=plan)
+    cause = "; ".join(f"{h}: {why}" for h, why in new.items()) or \
+        f"mpirun ended (exit code {returncode}) without a completed summary"
+    record = relaunch.RelaunchRecord(
+        attempt=attempt + 1, cause=cause, lost_hosts=lost,
+        hosts=[e.name for e in plan.hosts], replicas=plan.replicas,
+        resume_step=plan.resume_step, last_step=last_step,
+        steps_lost=max(0, last_step - plan.resume_step),
+        failure_at=relaunch.failure_time(evidence.events, ended_at, set(lost)),
+        ended_at=ended_at, relaunched_at=time.time())
+    return _next_attempt(job, plan, record, returncode)
+
+
+def _next_attempt(job: Job, plan: relaunch.Plan, record: relaunch.RelaunchRecord,
+                  returncode: int) -> AttemptResult:
+    """The relaunch's arguments and command (the plan's hosts, replicas and resume step)."""
+    args = job.args
+    current = copy.copy(args)
+    current.replicas = plan.replicas
+    current.fault = []  # injected faults belong to the first attempt
+    current.hostfile = str(_write_hostfile(job.out, record.attempt, plan.hosts)) \
+        if args.hostfile else None
+    current.overrides = [*args.overrides]
+    if plan.resume_step:
+        current.overrides += ["--checkpoint.load_step", str(plan.resume_step)]
+    elif plan.replicas != args.replicas:
+        current.overrides += ["--training.global_batch_size", str(job.batch)]  # B unchanged
+    try:
+        command, _, _ = job.build_job(current)
+    except ConfigError as err:
+        return AttemptResult(Verdict.GIVE_UP, returncode, reason=str(err))
+    return AttemptResult(Verdict.RELAUNCH, returncode, command=command, record=record)
 
 
 class RelaunchRequest:
     """The writer's word that an emergency checkpoint is complete ([Note: emergency checkpoint]
-    in manager/manager.py): if a host of the job then does not answer the agent, PRRTE will end
-    the job when it notices the lost daemon (``daemon_keepalive_s`` later), so the launcher ends
-    it now and relaunches from that checkpoint, redoing no step. A host that answers (its ranks
-    died, its daemon lives) leaves the in-job tier to carry on."""
+    in manager/manager.py; the files: recover_hsdp/handshake.py): if a host of the job then
+    does not answer the agent, PRRTE will end the job when it notices the lost daemon
+    (``daemon_keepalive_s`` later), so the launcher ends it now and relaunches from that
+    checkpoint, redoing no step. A host that answers (its ranks died, its daemon lives) leaves
+    the in-job tier to carry on."""
 
     def __init__(self, out: Path, agent: list[str], hosts: list[str]) -> None:
-        self.path, self.agent, self.hosts = out / RELAUNCH_REQUEST, agent, hosts
-        self.verdict = out / RELAUNCH_VERDICT
-        for path in (self.path, self.verdict):
-            path.unlink(missing_ok=True)  # an earlier attempt's
+        self.out, self.agent, self.hosts = out, agent, hosts
+        handshake.clear(out)  # an earlier attempt's
         self._seen: float | None = None
         self.answers: dict[str, str | None] | None = None  # the hosts' answers that ended it
 
     def check(self) -> str | None:
-        try:
-            mtime = self.path.stat().st_mtime
-            if mtime == self._seen:
-                return None
-            request = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        new = handshake.read_request(self.out, self._seen)
+        if new is None:
             return None
-        self._seen = mtime
+        self._seen, request = new
         answers = remote.host_names(self.agent, self.hosts)
         silent = [h for h, name in answers.items() if name is None]
         if not silent:  # its ranks died, its daemon lives: the in-job tier carries on
-            write_json_atomic(self.verdict, {"step": request["step"], "go_on": True})
+            handshake.write_verdict(self.out, request["step"])
             return None
         self.answers = answers
         return (f"host(s) {', '.join(silent)} lost (no answer) after step {request['step']}'s "
@@ -251,7 +332,7 @@ def _keep_attempt(out: Path, attempt: int, log_text: str) -> None:
 
 def _write_hostfile(out: Path, attempt: int, entries) -> Path:
     path = out / RELAUNCH_DIR / f"hostfile-{attempt}"
-    path.write_text(relaunch.format_hostfile(entries))
+    path.write_text(format_hostfile(entries))
     return path
 
 

@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from recover_hsdp.cli.hostfile import hostfile_hosts
 from recover_hsdp.config import (
     ConfigError,
     check_batch_sizes,
@@ -184,16 +185,6 @@ def _gpus_per_node(args: argparse.Namespace) -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def hostfile_hosts(path: str | Path) -> list[str]:
-    """The host names of an Open MPI hostfile, in order (comments and ``slots=`` dropped)."""
-    hosts = []
-    for line in Path(path).read_text().splitlines():
-        words = line.split("#", 1)[0].split()
-        if words:
-            hosts.append(words[0])
-    return hosts
 
 
 def _master_addr(args: argparse.Namespace) -> str:

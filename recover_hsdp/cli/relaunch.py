@@ -36,38 +36,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from recover_hsdp.cli.hostfile import HostEntry
+
 CHECKPOINT_FOLDER = re.compile(r"^step-(\d+)$")
 _DAEMON_HOST = (re.compile(r"Remote daemon:.*?on node\s+(\S+)"),  # lost communication with
                 re.compile(r"Remote host:\s+(\S+)"))               # failed to report back
-
-
-@dataclass(frozen=True)
-class HostEntry:
-    """One line of an Open MPI hostfile: the name mpirun is given, its line, its slots."""
-
-    name: str
-    line: str
-    slots: int | None = None
-
-
-def parse_hostfile(text: str) -> list[HostEntry]:
-    """The hosts of an Open MPI hostfile, in order (comments dropped, ``slots=`` read)."""
-    entries = []
-    for raw in text.splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        words = line.split()
-        slots = next((int(w.split("=", 1)[1]) for w in words[1:]
-                      if w.startswith(("slots=", "max_slots=")) and w.split("=", 1)[1].isdigit()),
-                     None)
-        entries.append(HostEntry(words[0], line, slots))
-    return entries
-
-
-def format_hostfile(entries: list[HostEntry]) -> str:
-    """The hostfile of ``entries``, one line each as it was given."""
-    return "".join(f"{e.line}\n" for e in entries)
 
 
 def newest_complete_checkpoint(folder: str | Path | None) -> int | None:

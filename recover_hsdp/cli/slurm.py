@@ -24,7 +24,7 @@ import os
 import re
 from pathlib import Path
 
-from recover_hsdp.cli.relaunch import HostEntry, format_hostfile
+from recover_hsdp.cli.hostfile import HostEntry, format_hostfile
 from recover_hsdp.errors import ConfigError
 
 NODELIST = "SLURM_JOB_NODELIST"

@@ -3,7 +3,8 @@
   manager.py        ``RecoverManager``: [Note: the step protocol] over the three layers and
                     the parts below (start here)
   phases.py         ``PhaseHooks``: the step's phases announced once ([Note: phases as data])
-  work.py           ``StepWork`` (what the trainer does for a step), ``StepState``
+  work.py           ``StepWork`` (what the trainer does for a step), ``JoinWork`` (for a
+                    rejoin), ``StepState``
   totals.py         ``StepTotals``: the step's sums across ranks, one all-reduce; the measured
                     speeds to the policy ([Note: straggler quotas])
   culprits.py       ``Culprits``: [Note: bad replicas], non-finite contributions absorbed
@@ -12,7 +13,8 @@
   local_processes.py ``LocalProcesses``: ending excluded processes on this host
   between_steps.py  agreements outside a step: checkpoint gather, [Note: the end of a run]
   rejoin.py         ``Rejoin``: [Note: rejoin at a boundary]
-  join_parts.py     the join's collective operations (``CollectiveJoins``) and its work
+  join_state.py     ``JoinState`` (a survivor's join and its moves), ``StartedJoin``
+  joins.py          ``Joins``: the join's collective operations, ``CollectiveJoins`` (MPI)
 
 Imports the layers below (collectives, recovery, workload; groups for the leave
 path), never torch.distributed nor torchtitan (the import-linter contracts in pyproject.toml):

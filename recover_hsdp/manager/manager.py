@@ -48,13 +48,12 @@ microbatch, or the step is refused; each bucket reduced under one membership
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
+from recover_hsdp import handshake
 from recover_hsdp.collectives.processes import ProcessInfo
 from recover_hsdp.errors import one_line
 from recover_hsdp.faults import ConsensusPoint, FaultInjector
@@ -67,15 +66,9 @@ from recover_hsdp.manager.rejoin import JoinWork, Rejoin
 from recover_hsdp.manager.totals import StepTotals, observe_speeds
 from recover_hsdp.manager.work import StepState, StepWork
 from recover_hsdp.manager.writer import WriterDuties
-from recover_hsdp.outputs import (RELAUNCH_REQUEST, RELAUNCH_VERDICT, SUPERVISED_ENV, RunMetrics,
-                                  write_json_atomic)
+from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.phases import Phase, profiler_labels
 from recover_hsdp.workload import DataRef, Role, WorkloadPolicy
-
-
-#: How long the writer waits for the launcher's verdict after an emergency checkpoint (the
-#: launcher probes the job's hosts: PROBE_TIMEOUT_S in cli/hosts.py, plus margin).
-VERDICT_WAIT_S = 30.0
 
 
 class RecoverManager:
@@ -172,7 +165,7 @@ class RecoverManager:
         ends the job when it notices the lost daemon (at once for a crashed host, not before
         ``recover.daemon_keepalive_s`` after a cut). So the step boundary after such a repair
         saves a checkpoint whatever the interval. Once the survivors agree it is complete, the
-        writer tells the launcher (``outputs.RELAUNCH_REQUEST``) and waits for its verdict: the
+        writer tells the launcher (recover_hsdp/handshake.py) and waits for its verdict: the
         launcher asks every host of the job over its agent; a host that does not answer means
         the runtime will end the job, so the launcher ends it now and relaunches from this
         checkpoint ([Note: the relaunch tier], cli/relaunch.py): no step is redone. If every
@@ -184,27 +177,19 @@ class RecoverManager:
 
     def emergency_checkpoint_saved(self, step: int) -> None:
         """[Note: emergency checkpoint] ``step``'s emergency checkpoint is agreed complete: the
-        writer tells the launcher (``outputs.RELAUNCH_REQUEST``), which relaunches from it at
+        writer tells the launcher (``handshake.write_request``), which relaunches from it at
         once if a lost host does not answer, rather than when PRRTE notices its lost daemon
         (``daemon_keepalive_s`` later: steps a relaunch would redo)."""
         hosts, self._emptied_hosts = sorted(self._emptied_hosts), set()
         if not self.writer.is_writer:
             return  # it waits for the writer in the next step's collectives
-        write_json_atomic(self.out_dir / RELAUNCH_REQUEST,
-                          {"step": step, "hosts": hosts, "time": time.time()})
-        if not os.environ.get(SUPERVISED_ENV):
+        handshake.write_request(self.out_dir, step, hosts)
+        if not handshake.supervised():
             return
         # The launcher's verdict: ends the job (a host does not answer) or "go on". Waiting
         # here (everyone else waits in the next step) is what makes the relaunch redo no step.
-        verdict, deadline = self.out_dir / RELAUNCH_VERDICT, time.monotonic() + VERDICT_WAIT_S
         with self.world.watchdog_paused():
-            while time.monotonic() < deadline:
-                try:
-                    if json.loads(verdict.read_text()).get("step") == step:
-                        return
-                except (OSError, ValueError):
-                    pass
-                time.sleep(0.05)
+            handshake.wait_for_verdict(self.out_dir, step)
 
     @property
     def saves_checkpoints(self) -> bool:

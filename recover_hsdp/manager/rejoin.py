@@ -30,12 +30,13 @@ time); what gives it up: the spawner's death (the newcomers see it and exit), a 
 death (the spawner's check after the attempt, or its test before they were ready), newcomers
 not ready within ``repair_s``, ``JOIN_ATTEMPTS`` failed attempts, the end of the run. The next
 join is then ``respawn_after_steps`` after the start of this one (or at the next request).
+A survivor's join is a ``JoinState`` (join_state.py): IDLE -> STARTING (1) -> READY -> JOINING
+(2-4) -> IDLE, or STARTING again after a failed attempt; LOST gives it up.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -43,16 +44,16 @@ from typing import Any, Callable
 import numpy as np
 
 from recover_hsdp.collectives.processes import ProcessInfo
-from recover_hsdp.outputs import forget_reasons
-from recover_hsdp.manager.join_parts import (JOIN_ATTEMPTS, CollectiveJoins, JoinWork,
-                                             StartedJoin, join_requests)
+from recover_hsdp.manager.join_state import (JOIN_ATTEMPTS, JoinState, StartedJoin,
+                                             finish_requests, join_requests)
+from recover_hsdp.manager.joins import CollectiveJoins, Joins
 from recover_hsdp.manager.local_processes import LocalProcesses
 from recover_hsdp.manager.phases import PhaseHooks
+from recover_hsdp.manager.work import JoinWork
 from recover_hsdp.manager.writer import WriterDuties
-from recover_hsdp.outputs import RunMetrics
+from recover_hsdp.outputs import RunMetrics, forget_reasons
 from recover_hsdp.phases import Phase
 from recover_hsdp.workload import WorkloadPolicy
-
 
 
 class Rejoin:
@@ -65,24 +66,35 @@ class Rejoin:
         checksum: this rank's parameter checksum (the newcomer checks it against the donor's),
             or None.
         respawn_after_steps: ``[recover] respawn_after_steps`` (0: only on request).
-        joins: the join primitives (default: :class:`CollectiveJoins`).
+        joins: the join's collective operations (``Joins``; default: ``CollectiveJoins``).
+
+    Attributes:
+        state: this survivor's join (``JoinState``; IDLE on a newcomer).
     """
 
     def __init__(self, *, world, writer: WriterDuties, outputs: RunMetrics,
                  processes: LocalProcesses, phases: PhaseHooks, out_dir: str | Path,
                  checksum: Callable[[], float] | None = None, respawn_after_steps: int = 0,
-                 joins=None):
+                 joins: Joins | None = None):
         self.world, self.writer, self.outputs = world, writer, outputs
         self.processes, self.phases, self.out_dir = processes, phases, Path(out_dir)
         self.checksum = checksum
         self.respawn_after_steps = respawn_after_steps
-        self.joins = joins if joins is not None else CollectiveJoins()
+        self.joins: Joins = joins if joins is not None else CollectiveJoins()
         self.requests_seen = 0       # agreed in the last committed step's totals
         self._lost_since: int | None = None
         self._alive_before: int | None = None
-        self._join: StartedJoin | None = None
-        self._ready = False          # the spawner saw the newcomers ready (agreed, ditto)
-        self._failed = False         # the spawner saw them lost (agreed, ditto)
+        self.state = JoinState.IDLE
+        self._join: StartedJoin | None = None  # None exactly when IDLE
+
+    def _move(self, state: JoinState, join: StartedJoin | None = None) -> None:
+        """The one place the join's state changes (``join``: the join a start records)."""
+        assert self.state.may_become(state), f"join: {self.state.name} -> {state.name}"
+        self.state = state
+        if state is JoinState.IDLE:
+            self._join = None
+        elif join is not None:
+            self._join = join
 
     # ---------------------------------------------------------------- survivors
 
@@ -90,22 +102,17 @@ class Rejoin:
         """This rank's share of the step's totals: (join requests seen by the writer,
         newcomers ready as the spawner sees them, newcomers lost as the spawner sees them)."""
         requests = len(join_requests(self.out_dir)) if self.writer.is_writer else 0
-        ready = failed = False
         join = self._join
-        if join is not None and (join.pending is not None or join.failed_here):
-            failed = join.failed_here
-            if not failed:
-                ready, failed = join.pending.test()
-                if not ready and time.monotonic() - join.pending.started > \
-                        self.world.deadlines.repair_s:  # newcomers that never get ready
-                    failed = True
+        ready, failed = (join.spawner_sees(self.world.deadlines.repair_s) if join is not None
+                         else (False, False))
         return float(requests), float(ready), float(failed)
 
     def agree_totals(self, requests: float, ready: float, failed: float) -> None:
         """The committed step's sums of :meth:`totals` (identical on every rank)."""
         self.requests_seen = int(requests)
-        self._ready = self._join is not None and ready > 0
-        self._failed = self._join is not None and failed > 0
+        if self.state is not JoinState.IDLE:
+            self._move(JoinState.LOST if failed > 0 else
+                       JoinState.READY if ready > 0 else JoinState.STARTING)
 
     def maybe_admit(self, step: int, work: JoinWork, policy: WorkloadPolicy) -> None:
         """Survivors, before ``step``: start replacements when a join is due, try to complete
@@ -115,20 +122,19 @@ class Rejoin:
         self._alive_before = len(alive)
         if lost:
             self._lost_since = step
-        join = self._join
-        if join is not None:
+        if self.state is not JoinState.IDLE:
             s = self.world.layout.ranks_per_replica
-            if join.spawner // s not in alive:  # the newcomers' only link
+            if self._join.spawner // s not in alive:  # the newcomers' only link
                 self._give_up(step, "the spawner died: the newcomers' link is lost")
-            elif self._failed:
+            elif self.state is JoinState.LOST:
                 self._give_up(step, "the newcomers died or never got ready")
-            elif self._ready:
+            elif self.state is JoinState.READY:
                 self._attempt(step, work, policy)
             return
         missing = [r for r in range(policy.initial_replicas) if r not in alive]
         if not missing:
             if self.requests_seen and self.writer.is_writer:  # nothing to bring back
-                _finish_requests(join_requests(self.out_dir), False)
+                finish_requests(join_requests(self.out_dir), False)
             return
         due_respawn = (self.respawn_after_steps > 0 and self._lost_since is not None
                        and step - self._lost_since >= self.respawn_after_steps)
@@ -141,7 +147,7 @@ class Rejoin:
 
     def abandon(self, step: int) -> None:
         """The run ends with newcomers still starting: they are told to exit."""
-        if self._join is not None:
+        if self.state is not JoinState.IDLE:
             self._give_up(step, "the run ended before the newcomers joined")
 
     def _start(self, step: int, work: JoinWork, replicas: list[int]) -> None:
@@ -159,15 +165,16 @@ class Rejoin:
                                             host=host or None)
             join.failed_here = join.pending is None
             join.requests = requests
-        self._join, self._ready, self._failed = join, False, False
+        self._move(JoinState.STARTING, join)
         join.record = {"phase": "join", "step_started": step, "requested_replicas": replicas,
                        "spawner_rank": spawner, "spawn_stall_s": time.perf_counter() - started}
 
     def _give_up(self, step: int, reason: str) -> None:
-        join, self._join = self._join, None
+        join = self._join
+        self._move(JoinState.IDLE)
         if join.pending is not None:
             join.pending.abort(tell=not join.failed_here)
-        _finish_requests(join.requests, False)
+        finish_requests(join.requests, False)
         self._log({**join.record, "step": step, "ok": False, "reason": reason,
                    "attempts": join.attempts, "joined_replicas": [], "epoch": self.world.epoch,
                    "alive_replicas": list(self.world.alive_replicas), "join_stall_s": 0.0})
@@ -177,76 +184,85 @@ class Rejoin:
         grow. A failed attempt keeps the join for the next boundary (bounded)."""
         world, join = self.world, self._join
         join.attempts += 1
-        self._ready = False
+        self._move(JoinState.JOINING)
         started = time.perf_counter()
-        replicas = list(join.replicas)
-        pending = join.pending
         record = {**join.record, "step": step, "attempt": join.attempts, "joined_replicas": [],
                   "epoch_before": world.epoch}
-        if pending is not None:
-            record["start_to_ready_s"] = (pending.ready_at or time.monotonic()) - pending.started
-        assert not set(replicas) & set(world.alive_replicas), "a join takes missing ids only"
-        link_ok = pending.offer_port() if pending is not None else True
+        if join.pending is not None:
+            record["start_to_ready_s"] = ((join.pending.ready_at or time.monotonic())
+                                          - join.pending.started)
+        assert not set(join.replicas) & set(world.alive_replicas), "a join takes missing ids only"
+        link_ok = join.pending.offer_port() if join.pending is not None else True
         go = self.joins.agree(world, link_ok)
-        channel, ok = None, False
-        if go:
-            channel = self.joins.accept(world, pending, join.spawner)
-            ok = channel is not None
-        if ok:
-            donor = _donor(world.alive_replicas, join.spawner // world.layout.ranks_per_replica)
-            offer = self.joins.offer(
-                world.epoch, world.alive_replicas, tuple(replicas),
-                world.layout.ranks_per_replica, world.layout.num_replicas, donor,
-                payload={"step": step, "arbiter": world.arbiter_dir,
-                         "step_started": join.step_started,
-                         "lost_since": self._lost_since})  # the newcomers' respawn clock
-            record.update(donor=donor, bytes_per_donor_rank=sum(  # the same on every replica
-                int(b.nbytes) for b in work.join_tensors()))
-            ok = channel.exchange(offer, world.world_rank, ProcessInfo.current()) is not None
-            sending = time.perf_counter()
-            if ok and world.replica == donor:
-                _, _, ok = self._send_state(channel, work, replicas, policy)
-            ok = channel.agree(ok)
-            # the donor's copy, as every survivor waits for it (the writer is rarely the donor)
-            transfer_s = time.perf_counter() - sending
-            moved = record["bytes_per_donor_rank"]
-            record.update(transfer_s=transfer_s,
-                          transfer_mb_per_s=moved / 1e6 / transfer_s if transfer_s else None)
-            if ok:
-                ok = world.grow(channel.merged, channel.ranks,
-                                tuple(world.alive_replicas) + tuple(replicas),
-                                world.layout.num_replicas, world.epoch)
-            if not ok:
-                channel.abort()
-        if ok:
-            record["joined_replicas"] = replicas
-            self._join = None
-            _finish_requests(join.requests, True)
-            if pending is not None:
-                pending.close()
-        elif pending is not None and not link_ok:
-            join.failed_here = True  # a newcomer died: said in the next totals
-        elif pending is not None and go:  # the newcomers are back on the link: all there?
-            join.failed_here = not pending.check()
-        reason = None if ok else ("a survivor died before the accept" if not go
-                                  else "a process died during the join")
+        channel = self.joins.accept(world, join.pending, join.spawner) if go else None
+        ok = channel is not None and self._transfer_and_grow(channel, step, work, policy, record)
+        self._settle(join, ok, link_ok, go)
         record.update(ok=ok, epoch=world.epoch, alive_replicas=list(world.alive_replicas),
                       join_stall_s=time.perf_counter() - started)
-        if not ok:
-            record["reason"] = reason
+        if ok:
+            record["joined_replicas"] = list(join.replicas)
+        else:
+            record["reason"] = ("a survivor died before the accept" if not go
+                                else "a process died during the join")
         self._log(record)  # by the writer before the join, which may hand its duty over
         if ok:
-            self._joined(channel, replicas, policy)
+            self._joined(channel, list(join.replicas), policy)
         elif join.attempts >= JOIN_ATTEMPTS:
             self._give_up(step, f"{JOIN_ATTEMPTS} attempts failed")
 
-    def _send_state(self, channel, work: JoinWork, replicas, policy: WorkloadPolicy):
+    def _transfer_and_grow(self, channel, step: int, work: JoinWork, policy: WorkloadPolicy,
+                           record: dict[str, Any]) -> bool:
+        """Stages 2 (the offer), 3 (the donor's state, one agreement) and 4 (grow) over the
+        attempt's channel; False (the channel aborted) when any of them failed."""
+        world, join = self.world, self._join
+        replicas = list(join.replicas)
+        donor = _donor(world.alive_replicas, join.spawner // world.layout.ranks_per_replica)
+        offer = self.joins.offer(
+            world.epoch, world.alive_replicas, tuple(replicas), world.layout.ranks_per_replica,
+            world.layout.num_replicas, donor,
+            {"step": step, "arbiter": world.arbiter_dir, "step_started": join.step_started,
+             "lost_since": self._lost_since})  # the newcomers' respawn clock
+        moved = sum(int(b.nbytes) for b in work.join_tensors())  # the same on every replica
+        record.update(donor=donor, bytes_per_donor_rank=moved)
+        ok = channel.exchange(offer, world.world_rank, ProcessInfo.current()) is not None
+        sending = time.perf_counter()
+        if ok and world.replica == donor:
+            ok = self._send_state(channel, work, replicas, policy)
+        ok = channel.agree(ok)
+        # the donor's copy, as every survivor waits for it (the writer is rarely the donor)
+        transfer_s = time.perf_counter() - sending
+        record.update(transfer_s=transfer_s,
+                      transfer_mb_per_s=moved / 1e6 / transfer_s if transfer_s else None)
+        if ok:
+            ok = world.grow(channel.merged, channel.ranks,
+                            tuple(world.alive_replicas) + tuple(replicas),
+                            world.layout.num_replicas, world.epoch)
+        if not ok:
+            channel.abort()
+        return ok
+
+    def _settle(self, join: StartedJoin, ok: bool, link_ok: bool, go: bool) -> None:
+        """After an attempt: joined (IDLE), or STARTING; the spawner's news in the next totals."""
+        pending = join.pending
+        if ok:
+            self._move(JoinState.IDLE)
+            finish_requests(join.requests, True)
+            if pending is not None:
+                pending.close()
+            return
+        self._move(JoinState.STARTING)
+        if pending is not None and not link_ok:
+            join.failed_here = True  # a newcomer died
+        elif pending is not None and go:  # the newcomers are back on the link: all there?
+            join.failed_here = not pending.check()
+
+    def _send_state(self, channel, work: JoinWork, replicas, policy: WorkloadPolicy) -> bool:
         # copying a model's whole state is long work without beats; its sends keep deadlines
         with self.world.watchdog_paused():
             return self._send_state_unwatched(channel, work, replicas, policy)
 
-    def _send_state_unwatched(self, channel, work: JoinWork, replicas, policy: WorkloadPolicy):
-        started = time.perf_counter()
+    def _send_state_unwatched(self, channel, work: JoinWork, replicas,
+                              policy: WorkloadPolicy) -> bool:
         meta = {"work": work.join_meta(), "policy": policy.state_dict(),
                 "ledger": self.writer.ledger_records, "steps": self.outputs.steps,
                 "events": self.outputs.events, "procs": self.processes.table,
@@ -262,7 +278,7 @@ class Rejoin:
             # phase=join, step=N: mid-transfer of the join started before step N (tests)
             self.phases.point(self._join.step_started, Phase.JOIN)
             ok = ok and channel.send_bytes(flat, peer)
-        return int(flat.size), time.perf_counter() - started, ok
+        return ok
 
     def _checksum(self) -> float | None:
         return None if self.checksum is None else self.checksum()
@@ -294,31 +310,7 @@ class Rejoin:
         aborted."""
         world = self.world
         started = time.perf_counter()
-        link = self.joins.parent_link(world)
-        joined = False
-        for attempt in range(1, JOIN_ATTEMPTS + 1):  # the survivors give up after as many
-            channel = link.next_channel() if link is not None else None
-            if channel is None:  # told to exit, or the spawner is lost
-                break
-            offer = channel.exchange(None, None, ProcessInfo.current())
-            meta = self._receive_state(channel, offer, work) if offer is not None else None
-            joined = channel.agree(meta is not None)
-            if joined:
-                joined = world.grow(channel.merged, channel.ranks,
-                                    tuple(offer.alive_replicas) + tuple(offer.new_replicas),
-                                    offer.num_replicas, offer.epoch)
-            if joined:
-                break
-            channel.abort()
-            print(f"[recover-hsdp] newcomer rank {world.world_rank}: join attempt {attempt} "
-                  "failed; waiting for the next", flush=True)
-            if not link.check():  # another newcomer died (or the spawner)
-                break
-        if not joined:
-            print(f"[recover-hsdp] newcomer rank {world.world_rank}: join aborted; exiting",
-                  flush=True)
-            world.close()
-            self.joins.exit_newcomer()
+        channel, offer, meta = self._meet_survivors(work)
         policy = WorkloadPolicy.from_state_dict(meta["policy"])
         self._lost_since = offer.payload.get("lost_since")  # agreed, as on the survivors
         self.writer.ledger_records[:] = meta["ledger"]
@@ -336,6 +328,35 @@ class Rejoin:
               f"joined at step {offer.payload['step']} in {time.perf_counter() - started:.2f}s",
               flush=True)
         return int(offer.payload["step"]), policy
+
+    def _meet_survivors(self, work: JoinWork):
+        """The newcomer's attempts: (the channel, the offer, the donor's meta) of the one that
+        grew the world; ends the process when none did."""
+        world = self.world
+        link = self.joins.parent_link(world)
+        for attempt in range(1, JOIN_ATTEMPTS + 1):  # the survivors give up after as many
+            channel = link.next_channel() if link is not None else None
+            if channel is None:  # told to exit, or the spawner is lost
+                break
+            offer = channel.exchange(None, None, ProcessInfo.current())
+            meta = self._receive_state(channel, offer, work) if offer is not None else None
+            joined = channel.agree(meta is not None)
+            if joined:
+                joined = world.grow(channel.merged, channel.ranks,
+                                    tuple(offer.alive_replicas) + tuple(offer.new_replicas),
+                                    offer.num_replicas, offer.epoch)
+            if joined:
+                return channel, offer, meta
+            channel.abort()
+            print(f"[recover-hsdp] newcomer rank {world.world_rank}: join attempt {attempt} "
+                  "failed; waiting for the next", flush=True)
+            if not link.check():  # another newcomer died (or the spawner)
+                break
+        print(f"[recover-hsdp] newcomer rank {world.world_rank}: join aborted; exiting",
+              flush=True)
+        world.close()
+        self.joins.exit_newcomer()
+        raise AssertionError("exit_newcomer returned")  # it ends the process (the fake raises)
 
     def _receive_state(self, channel, offer, work: JoinWork) -> dict[str, Any] | None:
         """The donor's state into this rank's tensors; None if it did not arrive whole or the
@@ -368,16 +389,6 @@ class Rejoin:
                   "donor's after the transfer", flush=True)
             return None
         return meta
-
-
-def _finish_requests(requests: list[Path], ok: bool) -> None:
-    for path in requests:
-        done = path.parent.parent / ("done" if ok else "failed")
-        done.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(path, done / path.name)
-        except OSError:
-            pass
 
 
 def _donor(alive: tuple[int, ...], spawner_replica: int) -> int:

@@ -1,10 +1,13 @@
-"""What the trainer does for the manager in one step (``StepWork``), and what one step
-accumulates on a rank while [Note: the step protocol] (manager.py) runs (``StepState``)."""
+"""What the trainer does for the manager in one step (``StepWork``) and for a rejoin
+(``JoinWork``), and what one step accumulates on a rank while [Note: the step protocol]
+(manager.py) runs (``StepState``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
+
+import numpy as np
 
 from recover_hsdp.manager.totals import StepTotals
 from recover_hsdp.workload import DataRef, StepPlan
@@ -28,6 +31,23 @@ class StepWork(Protocol):
         scheduler step. Returns the gradient norm before clipping. A norm that is not finite
         updates nothing (no optimizer or scheduler step): the manager finds the culprits,
         rebuilds the gradient and calls it again ([Note: bad replicas] in manager/culprits.py)."""
+
+
+class JoinWork(Protocol):
+    """What the trainer provides for a join ([Note: rejoin at a boundary] in rejoin.py; one
+    rank)."""
+
+    def join_meta(self) -> dict[str, Any]:
+        """Picklable replica state besides tensors (step, schedulers, tokens seen, ...)."""
+
+    def load_join_meta(self, meta: dict[str, Any]) -> None: ...
+
+    def join_tensors(self) -> list[np.ndarray]:
+        """This rank's state tensors (parameters, then optimizer state) as writable numpy
+        views, in an order that is the same on every replica."""
+
+    def spawn_command(self, replicas: list[int]) -> tuple[str, list[str]]:
+        """The program and arguments that start one replacement rank of ``replicas``."""
 
 
 @dataclass

@@ -202,7 +202,7 @@ class RecoverTrainer(Trainer):
         self.lr_schedulers.step()
         return float(grad_norm)
 
-    # JoinWork (recover_hsdp.manager.rejoin.JoinWork) ---------------------------------------
+    # JoinWork (recover_hsdp.manager.work.JoinWork) -----------------------------------------
 
     def join_meta(self) -> dict:
         """Pickled over MPI: tensors in it (an LR held as a tensor) go to the CPU first."""
