@@ -166,7 +166,7 @@ class Recover:
     consensus), so B per step is unchanged. ``auto`` (default): ``torch`` when the model is
     on GPUs (NCCL: device buffers, no host staging, RDMA, overlapped with the backward),
     ``mpi`` on CPU (both are TCP there, and the MPI path's all-reduce measured faster on
-    CPU: README "Data plane")."""
+    CPU: docs/data_plane.md)."""
 
     overlap_reduce: bool = True
     """``torch`` data plane: each bucket's sum is enqueued in its FSDP hook and waited for
@@ -177,7 +177,7 @@ class Recover:
     wire_dtype: Literal["fp32", "bf16"] = "fp32"
     """dtype of the cross-replica sum on the wire: ``fp32`` (exact: the failure-free
     trajectory to fp32 summation order) or ``bf16`` (half the bytes; each contribution is
-    rounded to bf16 and summed in bf16, so the loss drifts from fp32's: README "Data plane"
+    rounded to bf16 and summed in bf16, so the loss drifts from fp32's: docs/data_plane.md
     gives the measured effect). ``bf16`` needs ``data_plane = "torch"`` (MPI has no bf16
     sum) and is refused with the checks that need bitwise equality to stock TorchTitan
     (``save_final_params``, ``dump_step_gradients``)."""
@@ -378,7 +378,7 @@ def validate(job_config, world_size: int | None = None) -> None:
             f"parallelism.pipeline_parallel_degree={par.pipeline_parallel_degree}: pipeline "
             "parallelism inside a replica is not supported (TorchTitan's pipeline schedule "
             "syncs FSDP gradients at the end of every schedule step, the step protocol needs one "
-            "sync after a variable quota of microbatches; see README 'Parallelism inside a "
+            "sync after a variable quota of microbatches; see docs/data_and_parallelism.md 'Parallelism inside a "
             "replica'); set it to 1")
     for name in ("context_parallel_degree", "expert_parallel_degree"):
         if getattr(par, name) != 1:
@@ -449,7 +449,7 @@ def _check_dataset(job_config) -> None:
     if training.dataset in STREAMING_DATASETS and not training.dataset_path:
         raise ConfigError(f"training.dataset_path is empty for training.dataset="
                           f"{training.dataset!r}: jobs never download; point it at a local copy "
-                          "of allenai/c4 (its README.md and en/c4-*.json.gz, see the README)")
+                          "of allenai/c4 (its README.md and en/c4-*.json.gz, see docs/cluster.md)")
     if training.dataset_path and training.dataset != "local_corpus" \
             and not Path(training.dataset_path).exists():
         raise ConfigError(f"training.dataset_path={training.dataset_path!r} does not exist: "

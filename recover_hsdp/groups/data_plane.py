@@ -37,7 +37,7 @@ the consensus, exactly as on the MPI plane, so B per step and the epoch tags are
 ``wire_dtype = "bf16"``: the copy is cast to bfloat16 before the sum and back after it (half
 the bytes; each rank's contribution is rounded once, the sum is accumulated in bf16 by the
 backend): replicas stay bitwise identical to each other, the trajectory is no longer the
-fp32 one (README "Data plane").
+fp32 one (docs/data_plane.md).
 """
 
 from __future__ import annotations
