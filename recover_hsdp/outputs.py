@@ -41,6 +41,23 @@ def clear_run_files(out_dir: str | Path, keep: tuple[str, ...] = ()) -> list[str
     return removed
 
 
+def start_afresh(out_dir: str | Path, folders: tuple[str, ...] = ()) -> list[str]:
+    """Create ``out_dir`` if needed and remove an earlier run's files from it
+    (:func:`clear_run_files`, plus the sub-``folders`` named), saying so in one line: a new run's
+    outputs never mix with an old one's. Returns the names removed."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    removed = clear_run_files(out_dir)
+    for folder in folders:
+        if (out_dir / folder).is_dir():
+            shutil.rmtree(out_dir / folder)
+            removed.append(f"{folder}/")
+    if removed:
+        print(f"recover-hsdp: {out_dir}: removed the earlier run's {', '.join(removed)}",
+              flush=True)
+    return removed
+
+
 def backfill_jsonl(path: Path, records: list[dict[str, Any]], key) -> None:
     """Append to ``path`` the ``records`` whose ``key(record)`` is not in the file yet.
 

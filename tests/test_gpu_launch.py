@@ -10,7 +10,8 @@ import pytest
 
 from conftest import DEBUG_CONFIG
 from recover_hsdp.cli.hostfile import hostfile_hosts
-from recover_hsdp.cli.launch import _parser, build_command
+from recover_hsdp.cli.arguments import parser as _parser
+from recover_hsdp.cli.launch import build_command
 from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, device_index, gpu_placement_args,
                                              job_environment)
 from recover_hsdp.config import ConfigError

@@ -34,7 +34,7 @@ from recover_hsdp.cli import relaunch, slurm
 from recover_hsdp.cli.hostfile import HostEntry, format_hostfile, read_hostfile
 from recover_hsdp.collectives.processes import read_registry, read_start_records
 from recover_hsdp.config import ConfigError, data_ranks_per_replica
-from recover_hsdp.outputs import clear_run_files
+from recover_hsdp.outputs import clear_run_files, start_afresh
 
 RELAUNCH_DIR = "relaunch"
 MOVED = ("metrics.jsonl", "events.jsonl", "ledger.jsonl", "faults_fired.jsonl", "summary.json",
@@ -173,13 +173,7 @@ def prepare_job(args: argparse.Namespace, build_job, supervise, env: dict
 
 
 def _fresh_outputs(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    removed = clear_run_files(out)  # an earlier run's outputs never mix with this one's
-    if (out / RELAUNCH_DIR).is_dir():
-        shutil.rmtree(out / RELAUNCH_DIR)
-        removed.append(f"{RELAUNCH_DIR}/")
-    if removed:
-        print(f"recover-hsdp: {out}: removed the earlier run's {', '.join(removed)}", flush=True)
+    start_afresh(out, folders=(RELAUNCH_DIR,))  # the earlier run's attempts too
     (out / RELAUNCH_DIR).mkdir()
 
 

@@ -16,7 +16,6 @@ import argparse
 import ipaddress
 import json
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from recover_hsdp.cli.arguments import parser
 from recover_hsdp.cli.hostfile import hostfile_hosts
 from recover_hsdp.config import (
     ConfigError,
@@ -33,7 +33,7 @@ from recover_hsdp.config import (
     load_toml,
     validate,
 )
-from recover_hsdp.outputs import clear_run_files
+from recover_hsdp.outputs import start_afresh
 from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, GPUS_PER_NODE_ENV, RANKS_PER_GPU_ENV,
                                              check_ulfm_mpirun, daemon_keepalive_args,
                                              default_mpirun,
@@ -279,58 +279,8 @@ def _no_progress_possible(out: Path) -> bool:
     return "T" in states and all(state in (None, "Z", "T", "t") for state in states)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recover-hsdp", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run a training job (ReCoVer via mpirun, or --stock)")
-    train.add_argument("--config", required=True, help="TorchTitan TOML config")
-    train.add_argument("--replicas", type=int, default=2, help="R, data-parallel replicas")
-    train.add_argument("--ranks-per-replica", type=int, default=None,
-                       help="S, ranks per replica: FSDP degree x tensor_parallel_degree "
-                       "(default: [recover] ranks_per_replica)")
-    train.add_argument("--stock", action="store_true", help="stock TorchTitan HSDP via torchrun")
-    train.add_argument("--out", default=None, help="output directory (default outputs/<config>)")
-    train.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                       help="inject a real failure: replica=R,step=N,phase=P[,rank=K]"
-                            "[,mode=sigkill|exit|hang|stop|raise][,bucket=B][,at=POINT] (repeatable)")
-    train.add_argument("--hostfile", default=None,
-                       help="mpirun hostfile (multi-node; one rank per device)")
-    train.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
-                       help="GPU hosts: one rank per GPU, --map-by ppr:G:node, no "
-                            "--oversubscribe (default: the launching host's CUDA devices; 0: a "
-                            "CPU layout)")
-    train.add_argument("--ranks-per-gpu", type=int, default=1, metavar="K",
-                       help="allow K ranks to share one GPU (e.g. a check on a 1-GPU machine; "
-                            "default 1: more ranks than GPUs on a host is refused)")
-    train.add_argument("--master-addr", default=None,
-                       help="--stock --hostfile: the rendezvous address of rank 0 (default: "
-                            "the address of the hostfile's first host)")
-    train.add_argument("--master-port", type=int, default=random.randint(29500, 29999),
-                       help="--stock --hostfile: the rendezvous port (default: 29500-29999)")
-    train.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
-                       help="one more mpirun argument, e.g. --mpi-arg=--prtemca "
-                            "--mpi-arg=plm_ssh_agent --mpi-arg=AGENT (repeatable)")
-    train.add_argument("--end-grace", type=float, default=20.0, metavar="SECONDS",
-                       help="after the run's summary is written, how long mpirun may take to "
-                            "return before the launcher ends it (default 20)")
-    train.add_argument("overrides", nargs="*", help="after --: torchtitan overrides")
-    join = sub.add_parser("join", help="bring a lost replica of a running job back (spawned by "
-                                       "the job at its next step boundary)")
-    join.add_argument("--out", required=True, help="the running job's output directory")
-    join.add_argument("--host", default=None,
-                      help="host to start the replacement on (default: the job's hosts)")
-    join.add_argument("--timeout", type=float, default=600.0,
-                      help="seconds to wait for the job to take the request (default 600)")
-    demo = sub.add_parser("demo", help="the failure demo: a failure-free reference run, then the "
-                                       "same job with replicas SIGKILLed during the gradient sync")
-    demo.add_argument("--config", default="torchtitan_configs/debug_cpu.toml")
-    demo.add_argument("--replicas", type=int, default=4)
-    demo.add_argument("--out", default="outputs/demo")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser(__doc__.split("\n")[0]).parse_args(argv)
     if args.command == "join":
         from recover_hsdp.cli.join import run_join
 
@@ -359,11 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recover-hsdp: error: {err}", file=sys.stderr)
         return 2
     if args.stock:
-        out.mkdir(parents=True, exist_ok=True)
-        removed = clear_run_files(out)  # an earlier run's outputs never mix with this one's
-        if removed:
-            print(f"recover-hsdp: {out}: removed the earlier run's {', '.join(removed)}",
-                  flush=True)
+        start_afresh(out)
         print("+ " + " ".join(command), flush=True)
         returncode = supervise(command, env, out, args.end_grace)
     summary_path = out / "summary.json"
