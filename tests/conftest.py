@@ -23,6 +23,16 @@ def run_cli(args: list[str], timeout: float = 240, env: dict | None = None,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def no_step_waited_for_a_deadline(steps: list[dict], hang_timeout_s: float = 20.0) -> None:
+    """"It did not hang", free of the machine's speed: no committed step reached the MPI call
+    deadline of the run's ``hang_timeout_s`` (2H + 30 s, [Note: the timer table] in
+    groups/timeouts.py), the bound a stuck wait would run into first; a run that never ends
+    is the test's subprocess timeout."""
+    call_s = 2 * hang_timeout_s + 30
+    longest = max(s["step_time_s"] for s in steps)
+    assert longest < call_s, f"a step took {longest:.1f} s >= the call deadline {call_s} s"
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import DEBUG_CONFIG, read_jsonl, run_cli
+from conftest import DEBUG_CONFIG, no_step_waited_for_a_deadline, read_jsonl, run_cli
 from recover_hsdp.collectives.processes import read_registry
 
 STEPS = 10
@@ -60,7 +60,7 @@ def test_nan_bucket_in_one_replica_4x1(tmp_path, failure_free):
     assert event["step"] == 3 and event["culprits"]["1"]["action"] == "excluded"
     assert event["culprits"]["1"]["buckets"] == [0]
     assert not [e for e in read_jsonl(tmp_path / "events.jsonl") if "dead_replicas" in e]
-    assert wall < 150, wall
+    no_step_waited_for_a_deadline(steps)
 
 
 @pytest.mark.slow  # default suite time: test_bad_replicas_inprocess proves the K offences
@@ -78,7 +78,7 @@ def test_nan_k_times_retires_the_replica_4x1(tmp_path, failure_free):
     (death,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if "dead_replicas" in e]
     assert death["step"] == 3 and death["dead_replicas"] == [2]
     assert "retired: 2 non-finite contributions" in death["errors"]["2"][0]
-    assert wall < 150, wall
+    no_step_waited_for_a_deadline(steps)
 
 
 @pytest.fixture(scope="module")

@@ -177,8 +177,12 @@ def test_replacement_joins_on_a_standby_host(tmp_path):
     out.mkdir()
     prefix, subnet = _names("j", 190)
     with NetnsCluster(3, prefix=prefix, subnet=subnet) as cluster:
+        # Paced, so the run outlasts the newcomer's start-up on any machine: replica 0 sleeps 1 s
+        # before each forward from step 4 on (>= 40 s of steps left, CPU free for the newcomer's
+        # imports); the loss is the failure-free one (a sleep changes no number).
         proc, log = _launch(cluster, out, steps=steps_total, replicas=2,
-                            extra=["--fault", "replica=1,step=3,phase=grad_sync"])
+                            extra=["--fault", "replica=1,step=3,phase=grad_sync",
+                                   "--fault", "replica=0,step=4,phase=forward,mode=slow,seconds=1"])
         _wait_for_step(out, 4, proc)
         join = cluster.run(2, [sys.executable, "-m", "recover_hsdp.cli.launch", "join", "--out",
                                str(out), "--host", cluster.addrs[2], "--timeout", "200"],

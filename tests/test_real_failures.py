@@ -1,7 +1,7 @@
 """Failures that do not close a socket, errors that kill nobody, a writer lost at the very end, and
 output folders reused: real 4 x 1 / 2 x 2 jobs (mpirun --with-ft ulfm) on one host.
 
-Each test asserts: the launcher exits 0 within a wall bound, every step committed with B
+Each test asserts: the launcher exits 0 with no step that waited for a deadline, every step committed with B
 microbatches, the right survivors, the loss within 1e-3 of the failure-free run (exact data
 assignment), and no process of the job alive afterwards (by the pids the job registered).
 Survivors' parameters are compared by the trainer every step (consistency_check_interval = 1 in
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import DEBUG_CONFIG, read_jsonl, run_cli
+from conftest import DEBUG_CONFIG, no_step_waited_for_a_deadline, read_jsonl, run_cli
 from recover_hsdp.collectives.processes import read_registry
 
 STEPS = 10
@@ -37,8 +37,8 @@ def _train(out, faults=(), replicas=4, ranks=1, extra=(), timeout=300, hang_time
     return result, read_jsonl(out / "metrics.jsonl"), wall
 
 
-def _check(out, steps, failure_free, alive_after, wall, bound=150):
-    assert wall < bound, wall
+def _check(out, steps, failure_free, alive_after, wall, hang_timeout_s=20.0):
+    no_step_waited_for_a_deadline(steps, hang_timeout_s)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert all(s["reduced_microbatches"] == B for s in steps)
     assert steps[-1]["alive_replicas"] == alive_after
@@ -57,7 +57,7 @@ def _check(out, steps, failure_free, alive_after, wall, bound=150):
 def _check_2x2(out, steps, wall, alive: list[int]):
     """A 2 x 2 run in which replica 1 left: B every step, the alive counts, one event naming
     replica 1, nothing left alive. Returns the event."""
-    assert wall < 150, wall
+    no_step_waited_for_a_deadline(steps)
     assert [s["alive_replicas"] for s in steps] == alive
     assert all(s["reduced_microbatches"] == 2 for s in steps)
     (event,) = read_jsonl(out / "events.jsonl")
@@ -165,7 +165,7 @@ def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=0,step=4,phase=finish,rank=0"],
                                  extra=["--training.steps", "4", "--recover.save_final_params"])
-    assert wall < 150, wall
+    no_step_waited_for_a_deadline(steps)
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(s["reduced_microbatches"] == 2 and s["alive_replicas"] == 2 for s in steps)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -202,11 +202,21 @@ def test_a_stuck_main_thread_costs_tens_of_seconds_with_the_default_settings(
     Real process: a live process whose main thread is stuck (its watchdog thread runs)."""
     result, steps, wall = _train(tmp_path, hang_timeout=None,
                                  faults=["replica=3,step=3,phase=backward,mode=hang"])
-    summary = _check(tmp_path, steps, failure_free, alive_after=3, wall=wall)
+    summary = _check(tmp_path, steps, failure_free, alive_after=3, wall=wall,
+                     hang_timeout_s=300.0)
     assert [s["alive_replicas"] for s in steps] == [4, 4] + [3] * 8
-    assert 30 <= steps[2]["step_time_s"] < 30 + 20, steps[2]["step_time_s"]  # floor + repair
-    assert summary["wall_s"] < 60, summary["wall_s"]        # the run, start-up excluded
-    assert "hang bound 30.0 s" in result.stderr
+    # the bound the stuck rank died by, as its watchdog wrote it: the defaults' formula over the
+    # gap it measured (30 s, the floor, unless the host was loaded enough for a 0.75 s gap)
+    found = re.search(r"hang bound ([\d.]+) s = min\(hang_timeout_s ([\d.]+), max\(hang_floor_s "
+                      r"([\d.]+), ([\d.]+) x longest recent microbatch or gap ([\d.]+) s\)\)",
+                      result.stderr)
+    assert found, result.stderr[-3000:]
+    bound, ceiling, floor, factor, gap = map(float, found.groups())
+    assert (ceiling, floor, factor) == (300.0, 30.0, 40.0)             # the default settings
+    assert abs(bound - min(ceiling, max(floor, factor * gap))) <= 0.05 + factor * 0.005
+    assert bound < ceiling                                # learned, not the fixed 300 s
+    assert bound <= steps[2]["step_time_s"] < bound + 20, (bound, steps[2]["step_time_s"])
+    assert summary["wall_s"] < ceiling, summary["wall_s"]   # the whole run < the old bound
     (event,) = read_jsonl(tmp_path / "events.jsonl")
     assert event["dead_replicas"] == [3] and event["step"] == 3
 
@@ -222,7 +232,7 @@ def test_a_replica_20x_slower_is_not_a_hang_but_a_stuck_one_is_found_fast(tmp_pa
     result, steps, wall = _train(tmp_path, extra=["--recover.hang_floor_s", "1"], faults=[
         "replica=1,step=3,phase=forward,mode=slow,times=20,steps=3",
         "replica=3,step=7,phase=backward,mode=hang"], timeout=400, hang_timeout="120")
-    _check(tmp_path, steps, failure_free, alive_after=3, wall=wall, bound=300)
+    _check(tmp_path, steps, failure_free, alive_after=3, wall=wall)
     assert [s["alive_replicas"] for s in steps] == [4] * 6 + [3] * 4     # replica 1 stayed
     per_microbatch = [s["compute_s_per_microbatch"]["1"] for s in steps[1:5]]
     assert per_microbatch[1] > 15 * per_microbatch[0], per_microbatch     # measured: ~20x
