@@ -4,7 +4,7 @@
                                       [--replicas 8] [--ranks-per-replica 8] [--json OUT]
 
 Builds the model on the meta device, applies TorchTitan's FSDP2 plan over a fake S-rank backend
-(as tests/test_model_1b.py does) and reads, per FSDP unit, FSDP2's own padded shard sizes, the
+(as tests/titan/test_model_1b.py does) and reads, per FSDP unit, FSDP2's own padded shard sizes, the
 parameters' dtypes and the mixed-precision policy. Rows (bytes per rank):
 
 * params: the fp32 sharded parameters (FSDP2 pads each parameter's dim 0 to a multiple of S);

@@ -1,7 +1,7 @@
 """recover-hsdp: ReCoVer resilient pre-training on TorchTitan FSDP2 HSDP.
 
 Layout, top to bottom (a module imports only from rows below it; ``lint-imports`` checks the
-contracts in pyproject.toml, tests/test_layers.py runs it in CI):
+contracts in pyproject.toml, tests/package/test_layers.py runs it in CI):
 
   cli/, train.py   entry points: ``recover-hsdp`` (launch, demo); the per-rank process
   titan/           TorchTitan glue: RecoverTrainer (a thin Trainer), the recover_llama3

@@ -58,7 +58,7 @@ def local_corpus() -> Path:
 def failure_free(tmp_path_factory, local_corpus) -> dict[str, list[dict]]:
     """Failure-free 4 x 1 debug run (10 steps, hang_timeout 10, exact mode): the reference
     trajectory of the end-to-end and real-failure tests (stream mode is checked on its data:
-    tests/test_datasets.py)."""
+    tests/titan/test_datasets.py)."""
     out = tmp_path_factory.mktemp("ref")
     runs = {}
     for mode in ("exact",):

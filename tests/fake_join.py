@@ -1,7 +1,7 @@
 """In-process fake of the rejoin primitives ([Note: rejoin] in recover_hsdp/collectives/join.py)
 over a ``FakeHub`` (tests/fakes.py): ``FakeJoins`` is what ``Rejoin``
 (recover_hsdp/manager/rejoin.py) takes as ``joins`` in place of ``CollectiveJoins``: the
-``Joins`` protocol of recover_hsdp/manager/joins.py (tests/test_join_interface.py checks the
+``Joins`` protocol of recover_hsdp/manager/joins.py (tests/manager/test_join_interface.py checks the
 method names and signatures).
 
 Faked, with the contract of the real primitives:

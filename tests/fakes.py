@@ -201,7 +201,7 @@ class FakeHub:
 
 
 class FakeWorld:
-    """One rank's view: a ``World`` (collectives/interface.py; tests/test_interfaces.py checks
+    """One rank's view: a ``World`` (collectives/interface.py; tests/package/test_interfaces.py checks
     the members), with ``FaultTolerantWorld``'s contract (see its docstrings)."""
 
     def __init__(self, hub: FakeHub, replica: int, shard: int, newcomer: bool = False):

@@ -3,7 +3,7 @@
 Every flag is checked where argparse reads it (a ``type=`` below), so a wrong value ends the
 command before anything is read, built or started, in argparse's one line
 (``recover-hsdp train: error: argument --hostfile: ...``) that names the flag and the fix; the
-config's own checks (``config.validate``) come next, in the launcher. tests/test_bad_input.py
+config's own checks (``config.validate``) come next, in the launcher. tests/cli/test_bad_input.py
 walks every flag's wrong forms.
 """
 

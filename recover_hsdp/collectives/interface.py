@@ -1,7 +1,7 @@
 """``World``: the contract the layers above hold a fault-tolerant world to.
 
 ``FaultTolerantWorld`` (world.py) is the implementation; the in-process tests' ``FakeWorld``
-(tests/fakes.py) is the other, and tests/test_interfaces.py fails when either differs from
+(tests/fakes.py) is the other, and tests/package/test_interfaces.py fails when either differs from
 this Protocol in a member or a method's signature. The step protocol (manager/), in-step
 recovery (recovery/) and the ``torch`` data plane (groups/data_plane.py) name this type
 rather than a list of the methods they call. Standard library only (plus numpy types).

@@ -1,7 +1,7 @@
 """The join's collective operations ([Note: rejoin] in collectives/join.py) as ``Rejoin``
 (rejoin.py) calls them: the ``Joins`` protocol and ``CollectiveJoins``, the collectives
 layer's implementation. The in-process tests pass tests/fake_join.py's ``FakeJoins``;
-tests/test_join_interface.py checks that both keep the protocol's method names and signatures.
+tests/manager/test_join_interface.py checks that both keep the protocol's method names and signatures.
 """
 
 from __future__ import annotations

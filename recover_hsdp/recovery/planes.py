@@ -4,7 +4,7 @@
 decisions are separate. ``BucketSync`` holds one ``DataPlane`` and calls only what this
 Protocol names: ``MpiDataPlane`` (below: the world's guarded all-reduce through host staging)
 and ``groups.data_plane.TorchDataPlane`` (a per-epoch torch.distributed group) implement it,
-and tests/test_interfaces.py fails when either differs from it.
+and tests/package/test_interfaces.py fails when either differs from it.
 
 The contract of every plane: ``reduce`` sums in place and returns True, or returns False
 with the epoch failed (the bucket stays stale: restored and reduced again under the next

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from fakes import values_of
 from recover_hsdp.manager.phases import PhaseHooks, PhaseTimer
 from recover_hsdp.phases import STEP_SPANS, Phase
-from test_manager_inprocess import run_job
+from test_manager import run_job
 
 SPANS = [f"recover/{p.value}" for p in STEP_SPANS]
 

@@ -64,7 +64,7 @@ def test_global_rank_0_killed_outputs_move_to_lowest_survivor(tmp_path, local_co
     """Rank 0 dies after step 3 was agreed but before it wrote step 3's records: the new
     writer writes them (from its own copy) and everything after.
     Real process: (slow:
-    test_manager_inprocess::test_writer_dies_and_the_next_one_writes_everything proves the hand-
+    test_manager::test_writer_dies_and_the_next_one_writes_everything proves the hand-
     over) rank 0's process SIGKILLed mid-run."""
     _, steps = _train(tmp_path, faults=["replica=0,step=3,phase=optimizer"])
     _assert_b_every_step(steps, final_alive=3)

@@ -1,6 +1,6 @@
 """The relaunch tier's decisions ([Note: the relaunch tier], recover_hsdp/cli/relaunch.py) and
 its driver (cli/attempts.py) in-process: fake attempts instead of mpirun, fake hosts instead
-of the agent. The real jobs are in tests/test_relaunch.py."""
+of the agent. The real jobs are in tests/cluster/test_relaunch.py."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def _check_2x2(out, steps, wall, alive: list[int]):
 
 
 @pytest.mark.slow  # default suite time: test_frozen_rank_of_a_2x2_replica covers it (and
-# tests/test_data_plane.py the torch plane's abandoned call)
+# tests/groups/test_data_plane.py the torch plane's abandoned call)
 @pytest.mark.parametrize("data_plane", ["mpi", "torch"])
 def test_frozen_rank_is_declared_dead_and_nothing_is_left_behind(tmp_path, failure_free,
                                                                  data_plane):
@@ -90,7 +90,7 @@ def test_error_inside_a_replica_makes_only_that_replica_leave(tmp_path, failure_
     """A RuntimeError in replica 1's forward at step 3 (what a CUDA OOM raises), then one in
     replica 3's optimizer step at step 6: each replica leaves as a unit with its error text in
     events.jsonl and the survivors stay on the failure-free trajectory.
-    Real process: (slow: test_manager_inprocess proves forward and optimizer errors; the 2 x 2 case
+    Real process: (slow: test_manager proves forward and optimizer errors; the 2 x 2 case
     the real exit) a real process ending itself."""
     result, steps, wall = _train(tmp_path, faults=["replica=1,step=3,phase=forward,mode=raise",
                                                    "replica=3,step=6,phase=optimizer,mode=raise"])
@@ -121,7 +121,7 @@ def test_error_in_one_rank_of_a_2x2_replica_takes_the_replica_out(tmp_path, data
 def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
     """Rank 0 (the writer) is SIGKILLed after the last step's commit, while it writes the run's
     final outputs: the next writer writes the summary and the launcher reports success.
-    Real process: (slow: the 2 x 2 case below and test_manager_inprocess prove it) the writer
+    Real process: (slow: the 2 x 2 case below and test_manager prove it) the writer
     SIGKILLed while it writes files."""
     result, steps, wall = _train(tmp_path, faults=[f"replica=0,step={STEPS},phase=finish"],
                                  extra=["--recover.save_final_params"])
@@ -155,7 +155,7 @@ def test_death_of_one_rank_of_a_2x2_replica_at_start_up(tmp_path):
     assert _check_2x2(tmp_path, steps, wall, [1, 1, 1, 1])["step"] == 1
 
 
-@pytest.mark.slow  # default suite time: test_manager_inprocess proves the writer hand-over
+@pytest.mark.slow  # default suite time: test_manager proves the writer hand-over
 def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
     """2 x 2: the writer (rank 0 = shard 0 of replica 0) is SIGKILLed after the last commit;
     its replica peer leaves with it (a replica dies as a unit) and replica 1's first rank writes
@@ -221,7 +221,7 @@ def test_a_stuck_main_thread_costs_tens_of_seconds_with_the_default_settings(
     assert event["dead_replicas"] == [3] and event["step"] == 3
 
 
-@pytest.mark.slow  # default suite time: tests/test_hang_bound.py proves the bound's logic
+@pytest.mark.slow  # default suite time: tests/collectives/test_hang_bound.py proves the bound's logic
 def test_a_replica_20x_slower_is_not_a_hang_but_a_stuck_one_is_found_fast(tmp_path, failure_free):
     """The learned hang bound with a 1 s floor, so that only the progress factor (40) protects a
     slow replica: every microbatch of replica 1 takes 20x its own last one (``times=20``, the

@@ -1,6 +1,6 @@
 """The stock baseline across hosts: ``recover-hsdp train --stock --hostfile`` on 2 namespace nodes
 (tests/netns_cluster.py) trains like the MPI path on the same 2 nodes (per-step loss within 1e-4,
-final parameters allclose, as tests/test_equivalence.py checks on one host).
+final parameters allclose, as tests/jobs/test_equivalence.py checks on one host).
 Only a real process proves: the launcher's MASTER_ADDR and mpirun's placement let stock
 TorchTitan's ranks on two hosts find each other and train."""
 

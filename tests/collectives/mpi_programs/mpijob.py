@@ -13,7 +13,7 @@ from pathlib import Path
 
 from recover_hsdp.collectives.mpirun import mpirun_prefix
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PROGRAMS = Path(__file__).resolve().parent
 
 
@@ -33,7 +33,7 @@ class Job:
 
 
 def run_mpi(nprocs: int, program: str, args: list[str], out_dir: Path, timeout_s: float) -> Job:
-    """Run ``python tests/mpi_programs/<program> args...`` on ``nprocs`` ULFM ranks."""
+    """Run ``python tests/collectives/mpi_programs/<program> args...`` on ``nprocs`` ULFM ranks."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = mpirun_prefix(nprocs, env={"PYTHONPATH": env["PYTHONPATH"]}) + [

@@ -7,7 +7,7 @@ are right; a reduce blocked on a peer that stopped (a thread
 that never calls, its sockets open, as a frozen process) is abandoned as soon as the control
 plane reports the failure and leaves the bucket untouched; an abandoned group is never used
 again; bf16 on the wire halves the bytes and keeps replicas identical. The real-process
-cases are tests/test_end_to_end.py (SIGKILL on both planes) and tests/test_real_failures.py
+cases are tests/jobs/test_end_to_end.py (SIGKILL on both planes) and tests/jobs/test_real_failures.py
 (a frozen rank on the torch plane, slow suite).
 """
 

@@ -25,8 +25,8 @@ def _copy(ckpt, step, to):
     return to
 
 
-@pytest.mark.slow  # default suite time: tests/test_checkpoint_agreement.py kills the saver in
-# process; tests/test_relaunch.py restarts a real job from its checkpoint on fewer replicas
+@pytest.mark.slow  # default suite time: tests/manager/test_checkpoint_agreement.py kills the saver in
+# process; tests/cluster/test_relaunch.py restarts a real job from its checkpoint on fewer replicas
 def test_saver_deaths_in_saves_then_restarts_with_fewer_replicas(tmp_path, local_corpus):
     """Real process: the saving replica SIGKILLed inside a mid-run DCP save (step 4, replica 0)
     and inside the last one (step 10, replica 1, the saver by then): the next saver writes each

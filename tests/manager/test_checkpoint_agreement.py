@@ -4,7 +4,7 @@
 renamed in last). The saving replica is killed inside a save (before it writes, or after its
 data file: a half-written folder); the next saver must write the step again before anyone goes
 on or ends, and the summary must count the replicas alive at the end. The real job
-(tests/test_checkpoint_restart.py) checks the same with TorchTitan's DCP and a restart."""
+(tests/jobs/test_checkpoint_restart.py) checks the same with TorchTitan's DCP and a restart."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from fakes import values_of
 from recover_hsdp.titan.trainer import ReplicaCheckpointer
-from test_manager_inprocess import check_against_oracle, run_job
+from test_manager import check_against_oracle, run_job
 
 
 class StandInCheckpoints:

@@ -1,7 +1,7 @@
 """Replica rejoin ([Note: rejoin at a boundary] in recover_hsdp/manager/rejoin.py) in-process: the
 real ``RecoverManager``, ``WorkloadPolicy`` and ``BucketSync`` over the fake world (tests/fakes.py)
 and the fake join primitives (tests/fake_join.py), with the stand-in model and the ledger oracle
-of tests/test_manager_inprocess.py.
+of tests/manager/test_manager.py.
 
 A replica dies, its replacement is spawned ``respawn_after_steps`` later, trains from the
 donor's state and the survivors' step on. Every test asserts: every step commits B microbatch
@@ -9,7 +9,7 @@ gradients (measured), every rank's applied gradient equals the oracle's recomput
 ledger, G is back at G_init once the replica joined, and the parameters of every replica are
 equal at every step (``consistency_check_interval = 1``; the join checks the newcomer's checksum
 against the donor's). What the real spawn adds (processes, MPI, PRRTE) is covered by
-tests/test_rejoin.py.
+tests/jobs/test_rejoin.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.recovery import BucketSync
 from recover_hsdp.workload import WorkloadPolicy
 from recover_hsdp.workload.ledger import read_ledger
-from test_manager_inprocess import TOKENS, UNITS, WIDTH, FakeFaults, StandInWork, oracle
+from test_manager import TOKENS, UNITS, WIDTH, FakeFaults, StandInWork, oracle
 
 LR, MOMENTUM = 0.01, 0.9
 

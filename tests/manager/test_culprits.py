@@ -1,6 +1,6 @@
 """Bad replicas in process ([Note: bad replicas], [Note: straggler quotas]): the real manager,
 BucketSync, policy, ledger and fault specs over the fake world (tests/fakes.py), gradients
-checked EXACTLY against the ledger oracle of tests/test_manager_inprocess.py.
+checked EXACTLY against the ledger oracle of tests/manager/test_manager.py.
 
 A replica whose bucket is NaN (``mode=nan``) or whose loss is Inf (``mode=inf_loss``) is excluded
 from that step only and B is committed; after K offences it retires and the others go on with
@@ -17,7 +17,7 @@ import torch
 
 from fakes import values_of
 from recover_hsdp.workload import StragglerRule
-from test_manager_inprocess import StandInWork, check_against_oracle, run_job
+from test_manager import StandInWork, check_against_oracle, run_job
 
 
 class NormWork(StandInWork):

@@ -1,5 +1,6 @@
-"""MPI worker for tests/test_collectives_faults.py: a training-like loop over the collectives layer with a
-real failure injected (SIGKILL by a peer or by the victim itself, or a hang caught by the watchdog).
+"""MPI worker for tests/collectives/test_collectives_faults.py: a training-like loop over the
+collectives layer with a real failure injected (SIGKILL by a peer or by the victim itself, or
+a hang caught by the watchdog).
 
 Run under ULFM mpirun (see recover_hsdp.collectives.mpirun), R*S ranks:
     python collectives_worker.py --scenario NAME --S S --out DIR [--victims 1,2] [--second 3] ...

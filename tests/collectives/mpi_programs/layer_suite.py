@@ -2,7 +2,7 @@
 test suite: every test of ``BaseTestWorld`` runs against several (communicator, S) pairs, each world on
 its own ``Dup()`` of the communicator (FaultTolerantWorld Dups it, with MPI.ERRORS_RETURN).
 
-Run under mpirun at any size (tests/test_collectives_layer.py runs it at 1, 2 and 4 ranks):
+Run under mpirun at any size (tests/collectives/test_collectives_layer.py runs it at 1, 2 and 4 ranks):
     python layer_suite.py OUT_DIR
 Each rank writes OUT_DIR/rank<w>.json: {"ran": n, "failures": [...]}; exit code 0 iff all passed.
 """

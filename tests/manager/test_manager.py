@@ -104,9 +104,9 @@ def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", kee
             manager_kwargs=None, after_step=None):
     """Run ``steps`` steps on every rank; returns (hub, {(r, s): StandInWork or exception}).
     ``work_class`` (default ``StandInWork``), ``policy_kwargs`` and ``manager_kwargs`` extend
-    the rank's parts (tests/test_bad_replicas_inprocess.py); ``after_step(manager, work,
+    the rank's parts (tests/manager/test_culprits.py); ``after_step(manager, work,
     step)`` runs between steps, where the trainer saves checkpoints
-    (tests/test_checkpoint_agreement.py)."""
+    (tests/manager/test_checkpoint_agreement.py)."""
     hub = FakeHub(replicas, shards)
     errors, update_errors, transient = errors or {}, update_errors or {}, transient or {}
 

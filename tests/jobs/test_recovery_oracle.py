@@ -53,7 +53,7 @@ def _check_step_against_oracle(out, step, ranks, expected_dead, global_batch, ov
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.slow  # default suite time: the 2 x 2 oracle case below + test_manager_inprocess
+@pytest.mark.slow  # default suite time: the 2 x 2 oracle case below + test_manager
 @pytest.mark.parametrize("k_first,k_second", [(0, N_BUCKETS),
                                               pytest.param(1, N_BUCKETS - 1)])
 def test_kill_after_k_buckets_4x1(tmp_path, local_corpus, k_first, k_second):
@@ -81,7 +81,7 @@ def test_promoted_spare(tmp_path, local_corpus, mode):
     """After replica 2 dies, replica 3 is the spare (exact: it shadows replica 0's ids;
     stream: it computes its next positions without drawing them). Replica 0 dies at step 3:
     the spare is promoted, nothing is recomputed, and its gradient is the committed one.
-    Real process: (slow: test_manager_inprocess proves the promotion) a promoted spare's real
+    Real process: (slow: test_manager proves the promotion) a promoted spare's real
     gradient."""
     extra = ("--recover.data_assignment", mode)
     out = _run_with_faults(tmp_path, 4, 1, [
@@ -118,7 +118,7 @@ def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus, k, data_plane):
 @pytest.mark.slow  # default suite time: proven in-process in both modes
 @pytest.mark.parametrize("data_plane", ["mpi", "torch"])
 def test_second_death_during_rereduce(tmp_path, local_corpus, data_plane):
-    """Real process: (slow: test_manager_inprocess::test_second_death_during_rereduce proves it in
+    """Real process: (slow: test_manager::test_second_death_during_rereduce proves it in
     both modes) a real death inside the re-reduce."""
     out = _run_with_faults(tmp_path, 4, 1, [
         "replica=1,step=2,phase=grad_sync,bucket=3",

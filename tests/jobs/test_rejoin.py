@@ -81,7 +81,7 @@ def _assert_rejoined(steps, joins, summary, replicas, lost):
 
 
 @pytest.mark.slow  # default suite time: test_node_loss::test_replacement_joins_on_a_standby_host
-# joins for real, test_rejoin_inprocess proves the protocol
+# joins for real, test_rejoin_protocol proves the protocol
 @pytest.mark.parametrize("data_plane", ["mpi", "torch"])
 def test_respawn_4x1(tmp_path, reference, data_plane):
     """Real process: MPI_Comm_spawn through PRRTE and the transfer of TorchTitan's real state."""
@@ -97,7 +97,7 @@ def test_respawn_4x1(tmp_path, reference, data_plane):
     assert summary["failures"] == 1 and summary["joins"] == 1
 
 
-@pytest.mark.slow  # default suite time: tests/test_rejoin_inprocess.py kills both in-process
+@pytest.mark.slow  # default suite time: tests/manager/test_rejoin_protocol.py kills both in-process
 @pytest.mark.parametrize("victim", ["newcomer", "donor"])
 def test_death_during_the_transfer(tmp_path, reference, victim):
     """SIGKILL mid-transfer of the join started before step 5: the newcomer (replica 1's
@@ -105,7 +105,7 @@ def test_death_during_the_transfer(tmp_path, reference, victim):
     The attempt fails, the survivors go on (after the donor's death: without replica 2 too);
     a dead newcomer ends the join (a later respawn brings replica 1 back), a dead donor does
     not: the kept newcomer joins at the next boundary with a new donor (replica 3).
-    Real process: (slow: test_rejoin_inprocess proves both victims) a real SIGKILL mid-transfer."""
+    Real process: (slow: test_rejoin_protocol proves both victims) a real SIGKILL mid-transfer."""
     out = tmp_path / "run"
     target = 1 if victim == "newcomer" else 2
     result = run_cli(_train_args(out, 4, 1, ["replica=1,step=3,phase=grad_sync",
@@ -127,7 +127,7 @@ def test_death_during_the_transfer(tmp_path, reference, victim):
     assert steps[-1]["alive_replicas"] == 3 + len(later) == summary["alive_replicas"]
 
 
-@pytest.mark.slow  # default suite time: test_rejoin_inprocess::
+@pytest.mark.slow  # default suite time: test_rejoin_protocol::
 # test_survivor_death_while_the_newcomer_starts_keeps_the_join proves the protocol
 def test_survivor_death_while_the_newcomer_starts(tmp_path, reference):
     """Issue 22's scenario: 4 x 1, ``respawn_after_steps = 2``, replica 3 SIGKILLed at step 2,

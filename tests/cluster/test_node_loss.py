@@ -43,7 +43,7 @@ def _names(tag: str, salt: int) -> tuple[str, str]:
 IN_JOB = ("--recover.daemon_keepalive_s", "0")
 """PRRTE's own keepalive (~8 min): a cut link stays the in-job tier's for these short runs
 (with the launcher's 5 s, PRRTE ends the job and the relaunch tier takes over:
-tests/test_relaunch.py)."""
+tests/cluster/test_relaunch.py)."""
 
 
 def _launch(cluster: NetnsCluster, out, steps=STEPS, replicas=None, extra=(), train=IN_JOB):
@@ -134,7 +134,7 @@ def test_lost_node_the_others_finish(tmp_path, fault, nodes):
             assert victim.state() in (None, "Z")
 
 
-@pytest.mark.slow  # default suite: tests/test_relaunch.py relaunches after the same fault
+@pytest.mark.slow  # default suite: tests/cluster/test_relaunch.py relaunches after the same fault
 def test_crashed_node_with_its_daemon_ends_the_job_cleanly(tmp_path):
     """(a) SIGKILL of everything on node 2, its prted included: PRRTE aborts the job (measured:
     no PRRTE option keeps a job whose daemon is lost). With the relaunch tier off

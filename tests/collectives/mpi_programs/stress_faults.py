@@ -1,7 +1,8 @@
-"""Repeat the fault scenarios of tests/test_collectives_faults.py many times and tabulate the outcomes.
+"""Repeat the fault scenarios of tests/collectives/test_collectives_faults.py many times and
+tabulate the outcomes.
 
 Flakiness is a product bug: run this before trusting a change to the collectives layer.
-usage: python tests/mpi_programs/stress_faults.py [REPEATS] [SCENARIO_KEY_SUBSTRING ...]
+usage: python tests/collectives/mpi_programs/stress_faults.py [REPEATS] [SCENARIO_KEY_SUBSTRING ...]
 Keeps the logs of failed runs under ./stress_logs/. Exit code 1 if any run failed.
 """
 
@@ -12,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/collectives/
 from mpi_programs.mpijob import run_mpi  # noqa: E402
 from test_collectives_faults import SCENARIOS, check  # noqa: E402
 

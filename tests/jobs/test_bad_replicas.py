@@ -3,7 +3,7 @@ gradient bucket becomes NaN just before its cross-replica reduce (``mode=nan``) 
 that step, the others compute its microbatch, B is committed, and the run stays on the
 failure-free trajectory (exact data assignment); the same replica bad K times is retired and the
 run finishes with B. 4 x 1 in the default suite, 2 x 2 marked slow (the fake world proves the
-protocol at 2 x 2: tests/test_bad_replicas_inprocess.py)."""
+protocol at 2 x 2: tests/manager/test_culprits.py)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_nan_bucket_in_one_replica_4x1(tmp_path, failure_free):
     no_step_waited_for_a_deadline(steps)
 
 
-@pytest.mark.slow  # default suite time: test_bad_replicas_inprocess proves the K offences
+@pytest.mark.slow  # default suite time: test_culprits proves the K offences
 def test_nan_k_times_retires_the_replica_4x1(tmp_path, failure_free):
     """4 x 1, nonfinite_max_offences = 2: replica 2 NaN at steps 2 and 3: excluded at step 2,
     retired at step 3 (its rank leaves, the others repair the death in the same step); B every

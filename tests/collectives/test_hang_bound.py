@@ -1,6 +1,6 @@
 """The hang bound learned from a rank's own progress ([Note: a hang bound from progress] in
 recover_hsdp/collectives/guard.py): in-process, no MPI. The real-job proofs are in
-tests/test_real_failures.py (a stuck main thread with the default settings; a replica 20x
+tests/jobs/test_real_failures.py (a stuck main thread with the default settings; a replica 20x
 slower per microbatch that is never taken for a hang)."""
 
 import time
