@@ -3,8 +3,9 @@
 Imports mpi4py, numpy and the standard library only (no torch, no torchtitan: the layers contract
 in pyproject.toml). Modules:
 
-  world.py       ``FaultTolerantWorld``: communicators, layout, epoch, guarded collectives,
-                 consensus, retire, finish
+  interface.py   ``World``: the Protocol the layers above (and the tests' fake) hold a world to
+  world.py       ``FaultTolerantWorld``: communicators, layout, epoch, consensus, retire, finish
+  guarded.py     its guarded collectives and how a failure is noted ([Note: guarded calls])
   repair.py      the repair after a failed consensus: shrink, claim, rebuild, agree, commit
   arbiter.py     ``SplitBrainArbiter``: which side of a partition goes on (a file; stdlib only)
   growth.py      the world's growth at a rejoin (stage 4 of [Note: rejoin])
@@ -26,7 +27,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {"MPI": "mpi", "FaultTolerantWorld": "world", "CHUNK_BYTES": "world",
+_LAZY = {"MPI": "mpi", "FaultTolerantWorld": "world", "CHUNK_BYTES": "guarded",
          "Deadlines": "guard", "MpiGuard": "guard",
          "ConsensusResult": "membership", "ReplicaLayout": "membership"}
 

@@ -20,7 +20,7 @@ from recover_hsdp.collectives.membership import ConsensusResult, ReplicaLayout
 class World(Protocol):
     """One rank's view of the job: who it is, who is alive, the epoch, and the guarded
     collectives whose failure fails the epoch (never raises, never hangs: [Note: guarded
-    calls] in world.py). Callbacks: ``on_phase(name)`` before each step of the consensus,
+    calls] in guarded.py). Callbacks: ``on_phase(name)`` before each step of the consensus,
     ``on_failed(ranks)`` when a call names failed ranks, ``on_leave()`` when this rank leaves
     normally."""
 

@@ -53,7 +53,8 @@ import numpy as np
 from recover_hsdp.collectives.guard import log_line
 from recover_hsdp.collectives.membership import JoinOffer
 from recover_hsdp.collectives.mpi import MPI
-from recover_hsdp.collectives.world import CHUNK_BYTES, FaultTolerantWorld
+from recover_hsdp.collectives.guarded import CHUNK_BYTES
+from recover_hsdp.collectives.world import FaultTolerantWorld
 
 __all__ = ["JoinChannel", "JoinOffer", "ParentLink", "PendingJoin", "accept", "agree",
            "parent_link", "spawn"]

@@ -19,8 +19,10 @@ chunks of <= 4 MB ([Note: chunked reduces]). GPU tensors are staged through host
 recovery layer, not here. Import this module before anything imports ``mpi4py.MPI`` (it sets mpi4py.rc,
 in ``mpi.py``).
 
-The consensus's repair (shrink, claim, rebuild, agree, commit) is in ``repair.py``, the split-brain
-arbiter it asks in ``arbiter.py``, and the growth at a rejoin in ``growth.py``.
+The guarded calls and how a failure is noted are in ``guarded.py`` (``GuardedCalls``, the base of
+``FaultTolerantWorld``), the consensus's repair (shrink, claim, rebuild, agree, commit) in
+``repair.py``, the split-brain arbiter it asks in ``arbiter.py``, and the growth at a rejoin in
+``growth.py``.
 
 Usage (one step; ``world.finish()`` once at the end of the job):
     ok = world.allreduce(grad_bucket) and world.allreduce_global(token_counts)
@@ -35,26 +37,23 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import numpy as np
 
 from recover_hsdp.collectives import growth
 from recover_hsdp.collectives.guard import Deadlines, MpiGuard, die, log_line
+from recover_hsdp.collectives.guarded import CHUNK_BYTES, GuardedCalls
 from recover_hsdp.collectives.membership import ConsensusResult, JoinOffer, ReplicaLayout
-from recover_hsdp.collectives.mpi import MPI, buffer_type, errname, finalize_disabled
+from recover_hsdp.collectives.mpi import MPI, finalize_disabled
 from recover_hsdp.collectives.repair import repair
 
 __all__ = ["CHUNK_BYTES", "MPI", "ConsensusResult", "Deadlines", "FaultTolerantWorld",
            "ReplicaLayout"]
 
-# [Note: chunked reduces] An Open MPI use-after-free on a failed collective's temporary buffer crashed
-# survivors later in Shrink (2/80 unchunked 64 MB runs, 0/260 with <= 4 MB chunks); chunking is also
-# faster on btl/tcp here. Keep every single MPI reduce at or below this size.
-CHUNK_BYTES = 4 << 20
 
 
-class FaultTolerantWorld:
+class FaultTolerantWorld(GuardedCalls):
     """Communicators, layout and epoch of one rank; see the module docstring for the contract.
 
     Args:
@@ -165,126 +164,6 @@ class FaultTolerantWorld:
     def watchdog_paused(self):
         """Context manager: no hang detection inside (MPI-call deadlines still apply)."""
         return self._guard.paused()
-
-    # -- guarded collectives ----------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray) -> bool:
-        """SUM-all-reduce ``buf`` in place over my shard communicator. False: this epoch saw a failure
-        (``buf`` is then garbage: restore it from a snapshot after the consensus)."""
-        return self._allreduce(self._shard, buf, "shard")
-
-    def allreduce_global(self, buf: np.ndarray) -> bool:
-        """SUM-all-reduce a small ``buf`` in place over the global communicator (same contract)."""
-        return self._allreduce(self._global, buf, "global")
-
-    def allgather(self, obj: Any) -> list[Any] | None:
-        """Allgather a small picklable object (e.g. a parameter checksum) over my shard communicator,
-        in replica order. None: this epoch saw a failure."""
-        return self._allgather(self._shard, obj, "shard")
-
-    def allgather_global(self, obj: Any) -> list[Any] | None:
-        """Allgather a small picklable object over the global communicator, in world-rank order."""
-        return self._allgather(self._global, obj, "global")
-
-    def barrier(self) -> bool:
-        """Barrier on the global communicator. False: this epoch saw a failure."""
-        return self._guarded("Barrier(global)", self._global.Barrier, self._global)
-
-    def fail_epoch(self, reason: str) -> None:
-        """Record a failure seen outside MPI (e.g. a gloo error inside the replica) and revoke every
-        communicator, so no peer stays blocked in a collective this rank will skip. Idempotent."""
-        self._check_usable()
-        if self._failed_at is None:
-            self._failed_at = time.monotonic()
-            log_line(f"rank {self.world_rank} epoch {self.epoch}: failure ({reason}); revoking")
-        self._revoke(self._global, self._shard)
-
-    def peers_failed(self) -> bool:
-        """Non-blocking: has this epoch failed, as far as this rank can tell now? Lets MPI make
-        progress (an ``Iprobe`` on the global and shard communicators), so the failure
-        detector's notices and peers' revokes arrive while the main thread waits in something
-        else (a data-plane collective: [Note: control plane and data plane] in
-        groups/data_plane.py). A new failure is handled like a failed guarded call (every
-        communicator revoked, ``on_failed`` told). Only the main thread may call it."""
-        self._check_usable()
-        if self._failed_at is not None:
-            return True
-        for comm, which in ((self._global, "global"), (self._shard, "shard")):
-            if comm is None:
-                continue
-            try:
-                with self._guard.call(f"Iprobe({which})", self.deadlines.call_s):
-                    comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
-                group = comm.Get_failed()
-                try:
-                    failed = group.Get_size()
-                finally:
-                    group.Free()
-                if not failed and comm.Is_revoked():
-                    failed = -1
-            except MPI.Exception as e:
-                self._note_failure(f"Iprobe({which})", errname(e), comm)
-                return True
-            if failed:
-                self._note_failure(f"Iprobe({which})", "revoked" if failed < 0 else
-                                   f"{failed} failed rank(s)", comm)
-                return True
-        return False
-
-    def _note_failure(self, name: str, what: str, comm: MPI.Comm | None,
-                      started: float | None = None) -> None:
-        """The first failure of this epoch seen in ``name``: record, report, revoke all."""
-        self._failed_at = time.monotonic() if started is None else started
-        log_line(f"rank {self.world_rank} epoch {self.epoch}: {name} failed with "
-                 f"{what}; revoking all communicators")
-        self._report_failed(comm)
-        # [Note: revoke everything] Revoking only the global communicator HANGS a rank blocked in
-        # a shard-communicator collective whose members are all alive: revoke every communicator.
-        self._revoke(self._global, self._shard)
-
-    def _allreduce(self, comm: MPI.Comm, buf: np.ndarray, which: str) -> bool:
-        mpitype = buffer_type(buf)
-        flat = buf.reshape(-1)  # a view: buf is C-contiguous
-        step = max(1, CHUNK_BYTES // buf.itemsize)
-        return all(self._guarded(f"Allreduce({which})", lambda lo=lo: comm.Allreduce(
-            MPI.IN_PLACE, [flat[lo:lo + step], mpitype], op=MPI.SUM), comm)
-            for lo in range(0, max(flat.size, 1), step))  # stops at the first failure
-
-    def _report_failed(self, comm: MPI.Comm | None) -> None:
-        """Hand the ranks this rank knows to have failed on ``comm`` to ``on_failed`` (the
-        manager ends the frozen ones on this host at once: a frozen rank's replica peers are
-        blocked in an intra-replica collective with it until it really dies)."""
-        if self.on_failed is None or comm is None:
-            return
-        try:
-            group = comm.Get_failed()
-            try:
-                failed = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
-                                                   self._base_group)
-            finally:
-                group.Free()
-        except MPI.Exception:
-            return
-        failed = self._original_ranks(r for r in failed if r != MPI.UNDEFINED)
-        if failed:
-            self.on_failed(sorted(failed))
-
-    def _allgather(self, comm: MPI.Comm, obj: Any, which: str) -> list[Any] | None:
-        out: list[Any] = []
-        ok = self._guarded(f"allgather({which})", lambda: out.extend(comm.allgather(obj)), comm)
-        return out if ok else None
-
-    def _guarded(self, name: str, fn: Callable[[], Any], comm: MPI.Comm | None = None) -> bool:
-        self._check_usable()
-        if self._failed_at is not None:
-            return False
-        started = time.monotonic()
-        try:
-            with self._guard.call(name, self.deadlines.call_s):
-                fn()
-            return True
-        except MPI.Exception as e:
-            self._note_failure(name, errname(e), comm, started)
-            return False
 
     # -- consensus and repair ---------------------------------------------------------------------
     def consensus(self, ok: bool) -> ConsensusResult:
@@ -439,15 +318,3 @@ class FaultTolerantWorld:
         """Stage 4 of [Note: rejoin] on survivors and newcomers alike (``growth.grow``): ``merged``
         becomes the global communicator, epoch ``epoch`` + 1. False: nothing changed."""
         return growth.grow(self, merged, ranks, alive_replicas, num_replicas, epoch)
-
-    def _revoke(self, *comms: MPI.Comm | None) -> None:
-        for c in comms:
-            if c is None or c == MPI.COMM_NULL:
-                continue
-            try:
-                if not c.Is_revoked():
-                    with self._guard.call("Revoke", self.deadlines.repair_s):
-                        c.Revoke()
-            except MPI.Exception:
-                pass
-
