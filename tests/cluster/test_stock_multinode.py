@@ -35,7 +35,7 @@ def _train(cluster: NetnsCluster, out, stock: bool):
     return result
 
 
-@pytest.mark.slow  # default suite time: runs in the slow suite (CI runs both)
+@pytest.mark.soak  # CI time: the stock baseline on one host is test_equivalence's
 def test_stock_baseline_across_two_hosts_matches_the_mpi_path(tmp_path, local_corpus):
     with NetnsCluster(2, prefix="rh21b", subnet="10.231.22") as cluster:
         stock_run = _train(cluster, tmp_path / "stock", stock=True)

@@ -128,7 +128,7 @@ def test_fault_scenario(key, tmp_path):
         assert "no progress (heartbeat)" in job.output
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # a stress run of every scenario: run it before trusting a change here
 @pytest.mark.timeout(7200)
 def test_fault_scenarios_repeated():
     """Every scenario RECOVER_STRESS_REPEATS times (default 10): any flaky run is a product bug."""

@@ -101,7 +101,7 @@ def test_nan_in_one_rank_of_a_2x2_replica(tmp_path, failure_free_2x2):
     assert event["step"] == 3 and list(event["culprits"]) == ["1"]
 
 
-@pytest.mark.slow  # the 4 x 1 retirement above proves the real-process part
+@pytest.mark.soak  # the 4 x 1 retirement above proves the real-process part
 def test_nan_k_times_retires_a_2x2_replica(tmp_path, failure_free_2x2):
     """2 x 2, K = 2: replica 1 NaN at steps 2 and 3 (both its ranks): retired at step 3 as a
     unit, replica 0 finishes alone with B = 2 and the failure-free loss.

@@ -89,7 +89,7 @@ def test_hang_is_detected_within_bound_and_training_continues(tmp_path, local_co
     assert failure_step["step_time_s"] < hang_timeout + 20
 
 
-@pytest.mark.slow  # default suite time: the schedule is unit-tested, the kills elsewhere
+@pytest.mark.soak  # the schedule is unit-tested, the kills elsewhere
 def test_paper_like_failure_schedule(tmp_path, local_corpus):
     """One failure every 3 steps at a seeded random step, until 2 replicas are lost.
     Real process: the seeded schedule's kills fire in real processes."""

@@ -221,7 +221,7 @@ def test_a_stuck_main_thread_costs_tens_of_seconds_with_the_default_settings(
     assert event["dead_replicas"] == [3] and event["step"] == 3
 
 
-@pytest.mark.slow  # default suite time: tests/collectives/test_hang_bound.py proves the bound's logic
+@pytest.mark.soak  # tests/collectives/test_hang_bound.py proves the bound's logic
 def test_a_replica_20x_slower_is_not_a_hang_but_a_stuck_one_is_found_fast(tmp_path, failure_free):
     """The learned hang bound with a 1 s floor, so that only the progress factor (40) protects a
     slow replica: every microbatch of replica 1 takes 20x its own last one (``times=20``, the
@@ -243,7 +243,7 @@ def test_a_replica_20x_slower_is_not_a_hang_but_a_stuck_one_is_found_fast(tmp_pa
     assert event["dead_replicas"] == [3] and event["step"] == 7
 
 
-@pytest.mark.slow  # default suite time: detection_bench measures the same 10/10 times
+@pytest.mark.soak  # 60 s of compute; detection_bench measures the same 10/10 times
 def test_a_long_step_is_not_a_death(tmp_path):
     """Replica 1 computes 20 s (pure Python, GIL held, no MPI call: 5 x detect_timeout_s) in
     step 2: the heartbeat detector's own thread keeps it alive, nobody is declared dead.

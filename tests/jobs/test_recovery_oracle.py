@@ -98,8 +98,8 @@ def test_promoted_spare(tmp_path, local_corpus, mode):
 @pytest.mark.parametrize("k,data_plane", [
     (0, "mpi"), (1, "torch"), pytest.param(0, "torch", marks=pytest.mark.slow),
     pytest.param(N_BUCKETS, "mpi", marks=pytest.mark.slow),
-    pytest.param(1, "mpi", marks=pytest.mark.slow),
-    pytest.param(N_BUCKETS - 1, "mpi", marks=pytest.mark.slow)])
+    pytest.param(1, "mpi", marks=pytest.mark.soak),  # k = 0 and n run in CI
+    pytest.param(N_BUCKETS - 1, "mpi", marks=pytest.mark.soak)])
 def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus, k, data_plane):
     """2 x 2: shard rank 1 of replica 1 dies after k buckets; its live peer must leave with it
     (it retires at the consensus, or its intra-replica collective fails and it leaves with the

@@ -37,7 +37,7 @@ def _train(out, replicas, ranks, *, stock=False, faults=(), extra=(), timeout=40
 
 
 @pytest.mark.slow  # default suite time: the TP kill test below runs TP every commit
-@pytest.mark.parametrize("fsdp", [1, 2])
+@pytest.mark.parametrize("fsdp", [1, pytest.param(2, marks=pytest.mark.soak)])  # 8 ranks: soak
 def test_fsdp_x_tp_replicas_match_stock_hsdp_tp(tmp_path, local_corpus, fsdp):
     """Real process: TorchTitan's TP plan in replicas against stock HSDP + TP under torchrun."""
     ranks = fsdp * 2

@@ -125,7 +125,7 @@ def test_exact_c4_map_style_4x1_two_replicas_killed(tmp_path, c4):
     _audit_exact(tmp_path, c4, 1, 4)
 
 
-@pytest.mark.slow  # default suite time: test_recovery_oracle's 2 x 2 kill + the 4 x 1 streams above
+@pytest.mark.soak  # CI time: test_recovery_oracle's 2 x 2 kill + the 4 x 1 streams above
 @pytest.mark.parametrize("mode,dataset", [("stream", "c4"), ("exact", "c4_test")])
 def test_2x2_one_rank_killed(tmp_path, c4, mode, dataset):
     """Real process: a rank of a 2-rank replica SIGKILLed while real ranks read their stream parts."""

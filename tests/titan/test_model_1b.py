@@ -110,7 +110,7 @@ def test_tied_embeddings_survive_fsdp_materialisation_and_train():
     assert "TIED True True" in result.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # the 1B model on CPU: minutes of one core
 def test_1b_forward_backward_on_cpu_short_sequence():
     """The real 1B model (fp32, tied embeddings) runs forward + backward at seq 64 on CPU.
     Real process: the real 1B model's forward and backward (memory, time)."""
@@ -125,7 +125,7 @@ def test_1b_forward_backward_on_cpu_short_sequence():
     assert grad_norm > 0 and tied == "True"
 
 
-@pytest.mark.slow  # default suite time: runs in the slow suite (CI runs both)
+@pytest.mark.soak  # the 1B model on CPU: minutes
 def test_1b_config_file_trains_3_steps_on_cpu(tmp_path, local_corpus):
     """``torchtitan_configs/llama3_1b_hsdp.toml`` itself (C4 streamed with ``datasets``, stream
     mode, TensorBoard, DCP checkpoint at the last step) trains 3 steps on 2 CPU replicas.
