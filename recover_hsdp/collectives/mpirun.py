@@ -77,11 +77,12 @@ def installed_btls(mpirun: str | None = None) -> list[str]:
 
 
 def check_transport(transport: str, mpirun: str | None = None, find_library=None) -> None:
-    """[Note: transports]: raise ValueError (one line naming ``recover.transport``) when the
+    """[Note: transports]: raise ValueError (one line naming ``recover.reduce.transport``) when the
     transport is unknown, its btl component is not in this Open MPI or its libraries are not
     loadable on this host."""
     if transport not in TRANSPORTS:
-        raise ValueError(f"recover.transport={transport!r}: use one of {', '.join(TRANSPORTS)}")
+        raise ValueError(f"recover.reduce.transport={transport!r}: use one of "
+                         f"{', '.join(TRANSPORTS)}")
     btl, libraries = TRANSPORTS[transport]
     if not libraries:
         return
@@ -91,18 +92,20 @@ def check_transport(transport: str, mpirun: str | None = None, find_library=None
         find_library = ctypes.util.find_library
     btls = installed_btls(mpirun)
     if btl not in btls:
-        raise ValueError(f"recover.transport={transport!r}: this Open MPI has no btl {btl} "
+        raise ValueError(f"recover.reduce.transport={transport!r}: this Open MPI has no btl {btl} "
                          f"(it has {', '.join(btls) or 'none'}): use transport = \"tcp\" or an "
                          "Open MPI 5.0.10+ built with it")
     missing = [name for name in libraries if find_library(name) is None]
     if missing:
-        raise ValueError(f"recover.transport={transport!r}: btl {btl} needs lib{missing[0]}, "
-                         "which is not loadable on this host (install the RDMA stack: "
-                         "rdma-core + UCX for uct, libfabric for ofi) or use transport = \"tcp\"")
+        raise ValueError(f"recover.reduce.transport={transport!r}: btl {btl} needs "
+                         f"lib{missing[0]}, which is not loadable on this host (install the RDMA "
+                         "stack: rdma-core + UCX for uct, libfabric for ofi) or use transport = "
+                         "\"tcp\"")
 
 
 def heartbeat_detector_args(timeout_s: float = 4.0) -> list[str]:
-    """MCA flags of Open MPI's heartbeat failure detector, on its own thread (``recover.detect_timeout_s``).
+    """MCA flags of Open MPI's heartbeat failure detector, on its own thread
+    (``recover.timeouts.detect_s``).
 
     Each rank beats to a neighbour every ``timeout_s / 4`` seconds; one silent for ``timeout_s`` is
     declared dead, so a frozen process or a host lost without a connection reset becomes an ordinary
@@ -130,7 +133,7 @@ def heartbeat_detector_args(timeout_s: float = 4.0) -> list[str]:
 
 
 def daemon_keepalive_args(seconds: float) -> list[str]:
-    """PRRTE's TCP keepalive on its daemons' connections (``recover.daemon_keepalive_s``):
+    """PRRTE's TCP keepalive on its daemons' connections (``recover.tiers.daemon_keepalive_s``):
     5 s idle, then 3 probes ``seconds / 3`` apart, so PRRTE gives up on a cut-off daemon (and
     PRRTE 3.0 then ends the job) between ``seconds`` and ``seconds`` + 5 after the cut: never
     before, whatever the keepalive's phase at the cut was. [Note: emergency checkpoint]

@@ -67,20 +67,21 @@ class GRaise(str, Enum):
 
 def validate_workload_fields(*, microbatches_per_replica, keep_spares, data_assignment,
                              g_raise) -> None:
-    """Check the `[recover]` fields this layer owns; ValueError names the field and the fix."""
+    """Check the `[recover.workload]` fields this layer owns; ValueError names the field and the
+    fix."""
     g = microbatches_per_replica
     if isinstance(g, bool) or not isinstance(g, int) or g < 1:
         raise ValueError(f"recover.microbatches_per_replica must be an integer >= 1 (got {g!r}): "
                          "set it in the [recover] section")
     if not isinstance(keep_spares, bool):
-        raise ValueError(f"recover.keep_spares must be true or false (got {keep_spares!r}): "
-                         "set it in the [recover] section")
+        raise ValueError(f"recover.workload.keep_spares must be true or false (got "
+                         f"{keep_spares!r}): set it in the [recover.workload] section")
     for name, value, enum in (("data_assignment", data_assignment, DataAssignment),
                               ("g_raise", g_raise, GRaise)):
         if value not in {e.value for e in enum}:
             choices = " or ".join(repr(e.value) for e in enum)
-            raise ValueError(f"recover.{name} must be {choices} (got {value!r}): "
-                             "set it in the [recover] section")
+            raise ValueError(f"recover.workload.{name} must be {choices} (got {value!r}): "
+                             "set it in the [recover.workload] section")
 
 
 class WorkloadPolicy:

@@ -30,7 +30,8 @@ from typing import Mapping, Sequence
 
 @dataclass(frozen=True)
 class StragglerRule:
-    """The ``[recover]`` thresholds (config.py documents each field). ``slow_ratio`` 0: off."""
+    """The ``[recover.bad_replicas]`` straggler thresholds (config.py documents each field).
+    ``slow_ratio`` 0: off."""
 
     slow_ratio: float = 0.0
     recover_ratio: float = 1.2
@@ -41,15 +42,15 @@ class StragglerRule:
         if self.slow_ratio == 0:
             return
         if self.slow_ratio <= 1.0:
-            raise ValueError(f"recover.straggler_slow_ratio must be 0 (off) or > 1 (got "
+            raise ValueError(f"recover.bad_replicas.slow_ratio must be 0 (off) or > 1 (got "
                              f"{self.slow_ratio!r}): e.g. 1.5")
         if not 1.0 <= self.recover_ratio < self.slow_ratio:
-            raise ValueError(f"recover.straggler_recover_ratio must be >= 1 and below "
-                             f"straggler_slow_ratio={self.slow_ratio} (got "
+            raise ValueError(f"recover.bad_replicas.recover_ratio must be >= 1 and below "
+                             f"slow_ratio={self.slow_ratio} (got "
                              f"{self.recover_ratio!r}): the band between them is the hysteresis")
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) \
                 or self.patience < 1:
-            raise ValueError(f"recover.straggler_patience must be an integer >= 1 (got "
+            raise ValueError(f"recover.bad_replicas.slow_patience must be an integer >= 1 (got "
                              f"{self.patience!r})")
 
 

@@ -231,15 +231,15 @@ def test_driver_gives_up_after_max_relaunches(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("max_relaunches", -1, "recover.max_relaunches=-1"),
-    ("daemon_keepalive_s", 0.5, "recover.daemon_keepalive_s=0.5")])
+    ("max_relaunches", -1, "recover.tiers.max_relaunches=-1"),
+    ("daemon_keepalive_s", 0.5, "recover.tiers.daemon_keepalive_s=0.5")])
 def test_bad_relaunch_fields_are_one_line(field, value, words):
-    from recover_hsdp.config import ConfigError, Recover, _check_relaunch_fields
+    from recover_hsdp.config import ConfigError, Tiers
 
-    rc = Recover(enable=True)
-    setattr(rc, field, value)
+    tiers = Tiers()
+    setattr(tiers, field, value)
     with pytest.raises(ConfigError) as err:
-        _check_relaunch_fields(rc)
+        tiers.check()
     assert words in str(err.value) and "\n" not in str(err.value)
 
 

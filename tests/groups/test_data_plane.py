@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fakes import FakeHub, FakeUnit, run_ranks, values_of
-from recover_hsdp.config import ConfigError, JobConfig, _check_data_plane
+from recover_hsdp.config import ConfigError, JobConfig, Reduce
 from recover_hsdp.groups.data_plane import TorchDataPlane
 from recover_hsdp.recovery import BucketSync
 
@@ -242,25 +242,24 @@ def test_auto_is_torch_on_gpus_and_mpi_on_cpu():
     assert resolve_data_plane("auto", torch.device("cuda", 0), ranks_per_gpu=2) == "mpi"
     with pytest.raises(ConfigError) as err:  # NCCL: one rank per GPU in a communicator
         resolve_data_plane("torch", torch.device("cuda", 0), ranks_per_gpu=2)
-    assert "data_plane=torch with 2 ranks per GPU" in str(err.value)
+    assert "plane=torch with 2 ranks per GPU" in str(err.value)
     assert "\n" not in str(err.value)
-    assert JobConfig().recover.data_plane == "auto" and JobConfig().recover.overlap_reduce
+    assert JobConfig().recover.reduce.plane == "auto" and JobConfig().recover.reduce.overlap
 
 
 @pytest.mark.parametrize("changes,words", [
-    ({"wire_dtype": "bf16"}, "needs recover.data_plane=torch"),
-    ({"wire_dtype": "bf16", "data_plane": "torch", "save_final_params": True},
-     "recover.save_final_params"),
-    ({"data_plane": "nccl"}, "recover.data_plane='nccl'"),
-    ({"transport": "ib"}, "recover.transport='ib'"),
-    ({"overlap_reduce": "yes"}, "recover.overlap_reduce='yes'"),
+    ({"wire_dtype": "bf16"}, "needs recover.reduce.plane=torch"),
+    ({"plane": "nccl"}, "recover.reduce.plane='nccl'"),
+    ({"transport": "ib"}, "recover.reduce.transport='ib'"),
+    ({"overlap": "yes"}, "recover.reduce.overlap='yes'"),
 ])
 def test_data_plane_fields_are_refused_in_one_line(changes, words):
-    rc = JobConfig().recover
+    """(bf16 with the [recover.debug] outputs: tests/test_config_sections.py.)"""
+    section = Reduce()
     for name, value in changes.items():
-        setattr(rc, name, value)
+        setattr(section, name, value)
     with pytest.raises(ConfigError) as err:
-        _check_data_plane(rc)
+        section.check()
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
@@ -272,7 +271,7 @@ def test_transport_is_checked_at_launch_in_one_line():
     check_transport("tcp")
     with pytest.raises(ValueError) as err:
         check_transport("uct", find_library=lambda name: None)
-    assert "recover.transport='uct'" in str(err.value) and "libibverbs" in str(err.value)
+    assert "recover.reduce.transport='uct'" in str(err.value) and "libibverbs" in str(err.value)
     check_transport("ofi", find_library=lambda name: f"lib{name}.so")  # libraries found: ok
     line = mpirun_prefix(2, transport="uct")
     assert line[line.index("btl") + 1] == "uct,self" and "tcp,self" not in line

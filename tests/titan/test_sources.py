@@ -30,7 +30,8 @@ def _job(path, dataset="c4", dump="/tmp", assignment="stream"):
                                  local_batch_size=LBS),
         job=SimpleNamespace(dump_folder=str(dump)),
         model=SimpleNamespace(hf_assets_path=str(tokenizer().tokenizer_path)),
-        recover=SimpleNamespace(data_assignment=assignment, data_seed=0))
+        recover=SimpleNamespace(workload=SimpleNamespace(data_assignment=assignment,
+                                                          data_seed=0)))
 
 
 def _source(c4, shard=0, ranks=1, slots=2):
@@ -120,8 +121,8 @@ def _cfg(**training):
 
 @pytest.mark.parametrize("fields,message", [
     ({"training.dataset": "c4", "training.dataset_path": "/tmp"},
-     "recover.data_assignment=exact needs a map-style dataset"),
-    ({"training.dataset": "c4", "recover.data_assignment": "stream", "training.dataset_path": ""},
+     "recover.workload.data_assignment=exact needs a map-style dataset"),
+    ({"training.dataset": "c4", "recover.workload.data_assignment": "stream", "training.dataset_path": ""},
      "training.dataset_path is empty"),
     ({"training.dataset": "c4_test", "training.dataset_path": "/nonexistent/c4"},
      "training.dataset_path='/nonexistent/c4' does not exist"),

@@ -158,18 +158,19 @@ def test_any_sequence_keeps_b_and_the_failure_free_ids(w, g, mode, keep_spares, 
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("nonfinite_max_offences", 0, "recover.nonfinite_max_offences must be an integer >= 1"),
-    ("nonfinite_window_steps", -3, "recover.nonfinite_window_steps must be an integer >= 1"),
-    ("straggler_slow_ratio", 0.9, "recover.straggler_slow_ratio must be 0 (off) or > 1"),
-    ("straggler_recover_ratio", 2.0, "recover.straggler_recover_ratio must be >= 1 and below"),
+    ("max_offences", 0, "recover.bad_replicas.max_offences must be an integer >= 1"),
+    ("offence_window_steps", -3,
+     "recover.bad_replicas.offence_window_steps must be an integer >= 1"),
+    ("slow_ratio", 0.9, "recover.bad_replicas.slow_ratio must be 0 (off) or > 1"),
+    ("recover_ratio", 2.0, "recover.bad_replicas.recover_ratio must be >= 1 and below"),
 ])
 def test_config_fields_refused_in_one_line(field, value, words):
-    from recover_hsdp.config import ConfigError, Recover, _check_bad_replica_fields, straggler_rule
+    from recover_hsdp.config import BadReplicas, ConfigError
 
-    rc = Recover(straggler_slow_ratio=1.5)
-    _check_bad_replica_fields(rc)
-    assert straggler_rule(rc) == StragglerRule(1.5, 1.2, 3)
-    setattr(rc, field, value)
+    section = BadReplicas(slow_ratio=1.5)
+    section.check()
+    assert section.straggler_rule() == StragglerRule(1.5, 1.2, 3)
+    setattr(section, field, value)
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")) as info:
-        _check_bad_replica_fields(rc)
+        section.check()
     assert "\n" not in str(info.value)

@@ -246,16 +246,16 @@ GOOD = dict(microbatches_per_replica=8, keep_spares=True, data_assignment="strea
     ("microbatches_per_replica", 0, "recover.microbatches_per_replica must be an integer >= 1 "
                                     "(got 0): set it in the [recover] section"),
     ("microbatches_per_replica", 2.5, "recover.microbatches_per_replica"),
-    ("keep_spares", "yes", "recover.keep_spares must be true or false (got 'yes')"),
-    ("data_assignment", "random", "recover.data_assignment must be 'stream' or 'exact' "
+    ("keep_spares", "yes", "recover.workload.keep_spares must be true or false (got 'yes')"),
+    ("data_assignment", "random", "recover.workload.data_assignment must be 'stream' or 'exact' "
                                   "(got 'random')"),
-    ("g_raise", "double", "recover.g_raise must be 'ceil' or 'reserve' (got 'double')"),
+    ("g_raise", "double", "recover.workload.g_raise must be 'ceil' or 'reserve' (got 'double')"),
 ])
 def test_validation_names_the_field_and_the_fix(field, value, message):
     with pytest.raises(ValueError) as err:
         validate_workload_fields(**{**GOOD, field: value})
     assert message in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(ValueError, match=f"recover.{field}"):
+    with pytest.raises(ValueError, match=f"recover.*{field}"):
         WorkloadPolicy(initial_replicas=2, **{**GOOD, field: value})
 
 
