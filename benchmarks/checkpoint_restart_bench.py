@@ -101,7 +101,7 @@ def run_recover(work: Path, replicas: int, steps: int, fail_after: list[int], gl
     faults = [f"replica={i + 1},step={k + 1},phase=grad_sync" for i, k in enumerate(fail_after)]
     out = work / "recover"
     seg = supervise(train_command(out, replicas, stock=False, faults=faults, overrides=overrides(
-        steps, global_batch, local_batch, ["--recover.hang_timeout_s", str(hang_timeout)])), out)
+        steps, global_batch, local_batch, ["--recover.timeouts.hang_s", str(hang_timeout)])), out)
     rows = read_jsonl(out / "metrics.jsonl")
     if [r["step"] for r in rows] != list(range(1, steps + 1)):
         raise RuntimeError(f"ReCoVer run did not commit steps 1..{steps}: see {seg.log}")

@@ -48,7 +48,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         c4 = make_local_c4(Path(tmp) / "c4")
         stream = ("--training.dataset", "c4", "--training.dataset_path", str(c4),
-                  "--recover.data_assignment", "stream")
+                  "--recover.workload.data_assignment", "stream")
         pairs = []
         for pair in range(args.pairs):
             local, streamed = run(args.steps, ()), run(args.steps, stream)

@@ -44,7 +44,7 @@ def _read(path: Path) -> list[dict]:
 def _launch_args(out: Path, replicas: int, extra=()) -> list[str]:
     return [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
             "--replicas", str(replicas), "--out", str(out), "--end-grace", "10", *extra,
-            "--", "--training.steps", str(STEPS), "--recover.hang_timeout_s", "30"]
+            "--", "--training.steps", str(STEPS), "--recover.timeouts.hang_s", "30"]
 
 
 def _verdict(out: Path, rc: int, replicas: int, fault_time: float) -> dict:

@@ -14,7 +14,7 @@ parameters' dtypes and the mixed-precision policy. Rows (bytes per rank):
 * accumulation (G >= 2): under ``set_requires_gradient_sync(False)`` FSDP2 keeps each
   parameter's UNSHARDED gradient in the reduce dtype (``FSDPParam.to_accumulated_grad_if_needed``:
   ``unsharded_accumulated_grad = grad.to(reduce_dtype)``) until the synced microbatch;
-* snapshots: one clone per bucket (device; pinned host with ``recover.host_snapshots``);
+* snapshots: one clone per bucket (device; pinned host with ``recover.reduce.host_snapshots``);
 * staging: the bucket reduce's reused host chunk (recovery/staging.py), and, during a join only,
   the host copy of the donor's / newcomer's parameters + optimizer state (released next step);
 * all-gather: the two largest units' unsharded parameters in the param dtype (one unit and
@@ -78,7 +78,7 @@ def _sizes(config: str, ranks: int) -> dict:
         dist.destroy_process_group()
     lbs, gbs = cfg.training.local_batch_size, cfg.training.global_batch_size
     return {"params_total": total, "units": units, "local_batch_size": lbs,
-            "global_batch_size": gbs, "host_snapshots": cfg.recover.host_snapshots}
+            "global_batch_size": gbs, "host_snapshots": cfg.recover.reduce.host_snapshots}
 
 
 def _itemsize(dtype, param) -> int:
@@ -110,7 +110,7 @@ def table(sizes: dict, replicas: int, ranks: int) -> list[dict]:
         (f"accumulation, unsharded, reduce dtype (G = {g})",
          sum(u["unsharded"] * u["reduce_bytes"] for u in units) if g > 1 else 0, "device",
          "FSDP2 no-sync: full model per rank"),
-        ("bucket snapshots", buckets, snap_where, "recover.host_snapshots moves them to host"),
+        ("bucket snapshots", buckets, snap_where, "recover.reduce.host_snapshots moves them to host"),
         ("all-gathered params, 2 largest units (param dtype)",
          sum(sorted(u["unsharded"] * u["gather_bytes"] for u in units)[-2:]), "device",
          "transient (current + prefetched unit)"),

@@ -122,7 +122,7 @@ def detector_ab(args) -> None:
         pairs = []
         for _ in range(args.pairs):
             on, _ = run(replicas, ranks, False, args.steps)
-            off, _ = run(replicas, ranks, False, args.steps, ("--recover.detect_timeout_s", "0"))
+            off, _ = run(replicas, ranks, False, args.steps, ("--recover.timeouts.detect_s", "0"))
             pairs.append({"detector_on_s": on, "detector_off_s": off, "ratio": on / off})
         results[layout] = {"pairs": pairs,
                            "median_on_s": statistics.median(p["detector_on_s"] for p in pairs),
@@ -137,9 +137,9 @@ def detector_ab(args) -> None:
 
 
 #: The data planes compared by ``--planes`` and the settings that select each.
-PLANES = {"mpi": ("--recover.data_plane", "mpi"),
-          "torch": ("--recover.data_plane", "torch"),
-          "torch-hook": ("--recover.data_plane", "torch", "--recover.no-overlap_reduce")}
+PLANES = {"mpi": ("--recover.reduce.plane", "mpi"),
+          "torch": ("--recover.reduce.plane", "torch"),
+          "torch-hook": ("--recover.reduce.plane", "torch", "--recover.reduce.no-overlap")}
 
 
 def planes_ab(args) -> None:

@@ -30,7 +30,7 @@ def one_run(flavor: str, steps: int) -> dict:
         command = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config",
                    str(CONFIG), "--replicas", "4", "--out", out, "--fault",
                    "replica=1,step=6,phase=grad_sync", "--", "--training.steps", str(steps),
-                   "--model.flavor", flavor, "--recover.respawn_after_steps", "1"]
+                   "--model.flavor", flavor, "--recover.tiers.respawn_after_steps", "1"]
         subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=1800)
         rows = read_jsonl(Path(out) / "metrics.jsonl")
         events = read_jsonl(Path(out) / "events.jsonl")

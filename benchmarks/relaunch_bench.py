@@ -11,8 +11,8 @@ its PRRTE daemon (``kill_node``). PRRTE ends the MPI job either way.
 * ``relaunch``: ``recover-hsdp train`` as shipped ([Note: the relaunch tier]): it relaunches
   from the newest complete checkpoint (an emergency one after a cut link, [Note: emergency
   checkpoint]) on nodes 0, 1, 3.
-* ``by_hand``: the same job with ``--recover.max_relaunches 0`` and no emergency checkpoint
-  (``--recover.no-emergency_checkpoint``: only the periodic ones); the moment the launcher
+* ``by_hand``: the same job with ``--recover.tiers.max_relaunches 0`` and no emergency checkpoint
+  (``--recover.tiers.no-emergency_checkpoint``: only the periodic ones); the moment the launcher
   returns, this script (an operator with zero reaction time: a lower bound) starts the same
   command on nodes 0, 1, 3 with ``--checkpoint.load_step`` = the newest complete checkpoint.
   Both use ``--keepalive`` seconds of PRRTE keepalive (at PRRTE's defaults a cut link ends the
@@ -52,9 +52,9 @@ def _argv(cluster, out, ckpt, steps, interval, keepalive, hostfile, extra=()):
     return [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
             "--replicas", "3", "--out", str(out), "--end-grace", "10",
             *[f"--mpi-arg={a}" for a in mpi], "--", "--training.steps", str(steps),
-            "--recover.hang_timeout_s", "30", "--checkpoint.enable", "--checkpoint.interval",
+            "--recover.timeouts.hang_s", "30", "--checkpoint.enable", "--checkpoint.interval",
             str(interval), "--checkpoint.folder", str(ckpt),
-            "--recover.daemon_keepalive_s", str(keepalive), *extra]
+            "--recover.tiers.daemon_keepalive_s", str(keepalive), *extra]
 
 
 def _wait(predicate, timeout=300, proc=None):
@@ -73,7 +73,7 @@ def one_run(mode: str, fault: str, steps: int, interval: int, keepalive: float, 
     out, ckpt = root / "run", root / "ckpt"
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with NetnsCluster(4, prefix=f"rh22bb{salt % 10}", subnet=f"10.231.{41 + salt % 5}") as c:
-        extra = ["--recover.max_relaunches", "0", "--recover.no-emergency_checkpoint"] \
+        extra = ["--recover.tiers.max_relaunches", "0", "--recover.tiers.no-emergency_checkpoint"] \
             if mode == "by_hand" else []
         log = open(root / "run.log", "w")
         proc = c.popen(0, _argv(c, out, ckpt, steps, interval, keepalive, c.hostfile, extra),

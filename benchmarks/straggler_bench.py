@@ -37,7 +37,7 @@ SLOW_REPLICA, SLOW_FROM, PATIENCE = 3, 3, 2
 
 def run(out: Path, g: int, steps: int, faults=(), extra=()) -> list[dict]:
     overrides = ["--training.steps", str(steps), "--training.global_batch_size", str(8 * g),
-                 "--recover.hang_timeout_s", "60", *extra]
+                 "--recover.timeouts.hang_s", "60", *extra]
     command = train_command(out, 4, stock=False, overrides=overrides, faults=list(faults))
     result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
@@ -82,8 +82,8 @@ def main() -> None:
     if not args.analyse:
         slow = run(work / "slow", args.g, args.steps, [fault])
         rebalanced = run(work / "rebalanced", args.g, args.steps, [fault],
-                         ["--recover.straggler_slow_ratio", "1.5",
-                          "--recover.straggler_patience", str(PATIENCE)])
+                         ["--recover.bad_replicas.slow_ratio", "1.5",
+                          "--recover.bad_replicas.slow_patience", str(PATIENCE)])
     first = SLOW_FROM + PATIENCE + 1
     T = statistics.median(s["step_time_s"] for s in ref[1:])
     ideal = T * 4 / 3.5

@@ -136,7 +136,7 @@ def run_recover(work: Path, replicas: int, steps: int, g: int, kill_after: int |
     command = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
                "--replicas", str(replicas), "--out", str(out), "--", "--training.steps",
                str(steps), "--training.global_batch_size", str(g * replicas * LOCAL_BATCH),
-               "--recover.hang_timeout_s", "30"]
+               "--recover.timeouts.hang_s", "30"]
     seen, started, killed_at = {}, time.time(), None
     log = open(work / f"recover_{replicas}_{kill_after}.log", "wb")
     proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -27,7 +27,7 @@ def run(work: Path, name: str, replicas: int, steps: int, extra: list[str],
         faults: list[str] = ()) -> list[dict]:
     out = work / name
     seg = supervise(train_command(out, replicas, stock=False, faults=faults, overrides=[
-        "--training.steps", str(steps), "--recover.hang_timeout_s", "10", *extra]), out)
+        "--training.steps", str(steps), "--recover.timeouts.hang_s", "10", *extra]), out)
     rows = read_jsonl(out / "metrics.jsonl")
     if [r["step"] for r in rows] != list(range(1, steps + 1)):
         raise RuntimeError(f"{name}: did not commit steps 1..{steps}: see {seg.log}")
@@ -59,7 +59,7 @@ def main() -> None:
     references: dict[str, list[dict]] = {}
     try:
         for mode in args.modes.split(","):
-            extra = ["--recover.data_assignment", mode]
+            extra = ["--recover.workload.data_assignment", mode]
             ref = run(work, f"{mode}_ref", args.replicas, args.steps, extra)
             failed = run(work, f"{mode}_failures", args.replicas, args.steps, extra, faults)
             entry = {"reference": [r["loss"] for r in ref],
@@ -71,7 +71,7 @@ def main() -> None:
             if mode == "stream" and not args.no_noise_floor:
                 other = references.get("exact") or run(
                     work, "exact_ref", args.replicas, args.steps,
-                    ["--recover.data_assignment", "exact"])
+                    ["--recover.workload.data_assignment", "exact"])
                 entry["other_data_order"] = [r["loss"] for r in other]
                 entry["noise_floor"] = dloss(other, ref)
             result["modes"][mode] = entry

@@ -8,8 +8,9 @@ sub-section per part (one dataclass each, TOML ``[recover.<section>]``, command 
 ``tiers``, ``debug`` and ``faults``. ``enable = false`` gives exactly stock TorchTitan behaviour.
 
 The flat names of the first releases (``[recover] detect_timeout_s``,
-``--recover.detect_timeout_s``) still work as deprecated aliases: :func:`resolve_aliases` moves
-each into its section once, right after parsing, and warns in one line (:data:`ALIASES`).
+``--recover.detect_timeout_s``) still work as deprecated aliases (:data:`ALIASES`): each parse
+moves them into their sections ([Note: deprecated flat names]) and the launcher warns once per
+alias used, in one line (:func:`deprecation_lines`).
 
 Validation happens once, at start-up, in :func:`validate`: each section checks itself
 (``check()``), then the checks that span sections or other TorchTitan sections; every error is
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, get_args
 
-from tyro.conf import DisallowNone
+from tyro.conf import DisallowNone, Suppress
 
 try:
     import tomllib
@@ -426,8 +427,8 @@ class Recover:
     faults: Faults = field(default_factory=Faults)
     """Failure injection for tests and demos."""
 
-    # Deprecated flat aliases (ALIASES): None = not given. resolve_aliases() moves each given
-    # one into its section and resets it; nothing else reads them.
+    # Deprecated flat aliases (ALIASES): None = not given. __post_init__ moves each given one into
+    # its section and resets it ([Note: deprecated flat names]); nothing else reads them.
     data_assignment: DisallowNone[Literal["exact", "stream"] | None] = None
     """Deprecated alias of ``recover.workload.data_assignment``."""
     keep_spares: DisallowNone[bool | None] = None
@@ -481,6 +482,13 @@ class Recover:
     log_samples: DisallowNone[bool | None] = None
     """Deprecated alias of ``recover.debug.log_samples``."""
 
+    aliases_used: Suppress[dict] = field(default_factory=dict)
+    """Bookkeeping, not a setting: deprecated alias -> the value it moved into its section
+    ([Note: deprecated flat names]); neither TOML nor the command line can set it."""
+
+    def __post_init__(self):
+        _move_aliases(self)  # [Note: deprecated flat names]
+
 
 @dataclass
 class JobConfig:
@@ -491,24 +499,28 @@ class JobConfig:
 
 def recover_field_names() -> list[str]:
     """The keys ``[recover]`` accepts: its own fields, its sections and the deprecated aliases."""
-    return [f.name for f in fields(Recover)]
+    return [f.name for f in fields(Recover) if f.name != "aliases_used"]
 
 
-_WARNED: set[str] = set()
-"""Aliases this process has warned about already (a relaunch re-reads the config)."""
+def resolve_aliases(job_config) -> list[str]:
+    """Move every deprecated flat ``[recover]`` alias still set on ``job_config.recover`` into its
+    section (:meth:`Recover.__post_init__` already did so for a parsed config: this is for one
+    changed since, e.g. by hand); return their old names. Idempotent."""
+    return _move_aliases(job_config.recover)
 
 
-def resolve_aliases(job_config, warn: bool = False) -> list[str]:
-    """Move every deprecated flat ``[recover]`` alias that was given (TOML or command line) into
-    its section and reset it to None; return one warning line per alias moved, printed to stderr
-    (once per process) when ``warn``. Call right after parsing (the launcher with ``warn``, the
-    ranks quietly; :func:`validate` calls it too). Idempotent.
-
-    An alias and its new field both given with different values is a one-line ConfigError. "Given"
-    for the new field means "not at its default" (a config cannot tell an explicit default
-    from an absent one), so an alias wins over a new field set to its default value."""
-    rc = job_config.recover
-    lines = []
+def _move_aliases(rc: "Recover") -> list[str]:
+    """[Note: deprecated flat names] Each alias given (not None) goes into its section field,
+    is reset to None and recorded in ``rc.aliases_used``; the old names moved are returned.
+    This runs at construction, so every parse is resolved for every reader (the launcher, every
+    rank, stock ranks too): TorchTitan's ConfigManager builds ``Recover`` from the TOML file,
+    then tyro builds it again with the command line, taking the first one's values (the record
+    included: a suppressed field) as defaults. So a command-line alias overrides the same alias
+    in the file, as it always did. An alias and its new field both given with different values
+    is a one-line ConfigError; "given" for the new field means "not at its default and not put
+    there by an alias" (a parsed config cannot tell an explicit default from an absent one, so
+    an alias wins over a new field set to its default value)."""
+    moved = []
     for old, (section_name, new) in ALIASES.items():
         value = getattr(rc, old)
         if value is None:
@@ -517,20 +529,37 @@ def resolve_aliases(job_config, warn: bool = False) -> list[str]:
             value = [part for s in value for part in str(s).split(",") if part.strip()]
         section = getattr(rc, section_name)
         current = getattr(section, new)
-        default = _default(type(section), new)
-        if current != default and current != value:
+        from_alias = old in rc.aliases_used and rc.aliases_used[old] == current
+        if current != _default(type(section), new) and current != value and not from_alias:
             raise ConfigError(
                 f"recover.{old}={value!r} (deprecated alias) and recover.{section_name}.{new}="
                 f"{current!r} disagree: keep only [recover.{section_name}] {new}")
         setattr(section, new, value)
         setattr(rc, old, None)
-        line = (f"recover-hsdp: [recover] {old} is deprecated: use [recover.{section_name}] "
-                f"{new} (--recover.{section_name}.{new})")
-        lines.append(line)
-        if warn and old not in _WARNED:
-            _WARNED.add(old)
+        rc.aliases_used = {**rc.aliases_used, old: value}
+        moved.append(old)
+    return moved
+
+
+def deprecation_lines(job_config) -> list[str]:
+    """One warning line per deprecated alias the config used (file or command line), in
+    :data:`ALIASES` order."""
+    used = getattr(job_config.recover, "aliases_used", {})
+    return [f"recover-hsdp: [recover] {old} is deprecated: use [recover.{section}] {new} "
+            f"(--recover.{section}.{new})"
+            for old, (section, new) in ALIASES.items() if old in used]
+
+
+_WARNED: set[str] = set()
+"""Lines this process has printed already (a relaunch re-reads the config)."""
+
+
+def warn_deprecated(lines: list[str]) -> None:
+    """Print each line to stderr, once per process (the launcher; the ranks stay quiet)."""
+    for line in lines:
+        if line not in _WARNED:
+            _WARNED.add(line)
             print(line, file=sys.stderr, flush=True)
-    return lines
 
 
 def _default(cls, name: str):
@@ -633,9 +662,9 @@ def check_world_size(world_size: int, ranks_per_replica: int) -> int:
 
 
 def validate(job_config, world_size: int | None = None) -> None:
-    """Start-up validation of a parsed JobConfig (raises ConfigError): the deprecated aliases
-    resolved (:func:`resolve_aliases`, quietly), each section's own ``check()``, then the checks
-    that span sections or involve TorchTitan's."""
+    """Start-up validation of a parsed JobConfig (raises ConfigError): any deprecated alias set
+    since parsing resolved (:func:`resolve_aliases`), each section's own ``check()``, then the
+    checks that span sections or involve TorchTitan's."""
     resolve_aliases(job_config)
     rc = job_config.recover
     if not rc.enable:

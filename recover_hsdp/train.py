@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     elif mpirun:  # launched by mpirun: one rank per device
         os.environ.setdefault("LOCAL_RANK", os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
         # MPI_Init first, before the seconds of torch imports: the heartbeat detector
-        # (recover.detect_timeout_s) then runs on every rank from the start, and start-up skew
+        # (recover.timeouts.detect_s) then runs on every rank from the start, and start-up skew
         # between ranks stays small.
         import recover_hsdp.collectives.world  # noqa: F401
         _start_record(argv)

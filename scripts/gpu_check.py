@@ -39,7 +39,7 @@ def _train(out: Path, gpu: bool, faults=(), extra=(), steps: int = STEPS) -> lis
             "--replicas", "2", "--ranks-per-replica", "1", "--out", str(out), *placement]
     for fault in faults:
         args += ["--fault", fault]
-    args += ["--", "--training.steps", str(steps), "--recover.hang_timeout_s", "30", *extra]
+    args += ["--", "--training.steps", str(steps), "--recover.timeouts.hang_s", "30", *extra]
     started = time.monotonic()
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     (out.parent / f"{out.name}.log").write_text(result.stdout + result.stderr)
@@ -56,7 +56,7 @@ def check_failure_and_rejoin(work: Path, gpu: bool) -> bool:
     steps = REJOIN_STEPS[gpu]
     reference = _train(work / "reference", gpu, extra=mixed, steps=steps)
     run = _train(work / "kill_respawn", gpu, ["replica=1,step=3,phase=grad_sync"],
-                 [*mixed, "--recover.respawn_after_steps", "1"], steps=steps)
+                 [*mixed, "--recover.tiers.respawn_after_steps", "1"], steps=steps)
     b = [s["reduced_microbatches"] for s in run]
     diffs = [abs(a["loss"] - r["loss"]) for a, r in zip(run, reference)]
     usual = statistics.median(s["step_time_s"] for s in reference[1:])
@@ -83,7 +83,7 @@ def check_oracle(work: Path, gpu: bool) -> bool:
 
     out = work / "oracle"
     _train(out, gpu, ["replica=1,step=2,phase=grad_sync,bucket=1"],
-           ["--recover.dump_step_gradients", "2"])
+           ["--recover.debug.dump_step_gradients", "2"])
     entry = [e for e in read_ledger(out) if e.step == 1][0]
     dump = torch.load(out / "grads_step2.pt")
     oracle = recompute_gradient(dump["params"], committed_refs(entry), 1)

@@ -63,8 +63,8 @@ def failure_free(tmp_path_factory, local_corpus) -> dict[str, list[dict]]:
     runs = {}
     for mode in ("exact",):
         result = run_cli(["train", "--config", str(DEBUG_CONFIG), "--replicas", "4", "--out",
-                          str(out / mode), "--", "--recover.hang_timeout_s", "10",
-                          "--recover.data_assignment", mode], timeout=300)
+                          str(out / mode), "--", "--recover.timeouts.hang_s", "10",
+                          "--recover.workload.data_assignment", mode], timeout=300)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
         runs[mode] = read_jsonl(out / mode / "metrics.jsonl")
     return runs

@@ -10,8 +10,8 @@ import pytest
 from conftest import DEBUG_CONFIG
 from recover_hsdp import config
 from recover_hsdp.cli.launch import read_job_config
-from recover_hsdp.config import (ALIASES, SECTIONS, ConfigError, load_toml, resolve_aliases,
-                                 validate)
+from recover_hsdp.config import (ALIASES, SECTIONS, ConfigError, deprecation_lines, load_toml,
+                                 resolve_aliases, validate, warn_deprecated)
 
 OLD = {  # every flat field of the first releases, each at a value that is not its default
     "data_assignment": "stream", "keep_spares": False, "g_raise": "reserve", "data_seed": 7,
@@ -77,10 +77,11 @@ def test_aliases_cover_every_flat_field_and_nothing_else():
 
 
 def test_old_flat_file_parses_to_the_new_sections(tmp_path):
-    old = read_job_config(_write(tmp_path / "old.toml", OLD), [])
-    new = read_job_config(_write(tmp_path / "new.toml", {}, _new_sections(OLD)), [])
-    lines = resolve_aliases(old)
-    assert resolve_aliases(new) == []
+    old_file = _write(tmp_path / "old.toml", OLD)
+    new_file = _write(tmp_path / "new.toml", {}, _new_sections(OLD))
+    old, new = read_job_config(old_file, []), read_job_config(new_file, [])
+    lines = deprecation_lines(old)
+    assert deprecation_lines(new) == []
     assert _sections_of(old) == _sections_of(new)
     assert len(lines) == len(OLD)
     for name in OLD:  # one line per alias, naming the new place
@@ -99,7 +100,8 @@ def test_old_command_line_overrides_parse_to_the_new_sections(tmp_path):
         old_args += _cli("old", section, name, value)
         new_args += _cli("new", section, field_name, value)
     old, new = read_job_config(base, old_args), read_job_config(base, new_args)
-    assert len(resolve_aliases(old)) == len(OLD) and resolve_aliases(new) == []
+    assert len(deprecation_lines(old)) == len(OLD)
+    assert deprecation_lines(new) == []
     assert _sections_of(old) == _sections_of(new)
     assert _sections_of(new)["debug"]["dump_step_gradients"] == ["2", "5"]
 
@@ -107,8 +109,9 @@ def test_old_command_line_overrides_parse_to_the_new_sections(tmp_path):
 def test_one_warning_line_per_alias_printed_once_per_process(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(config, "_WARNED", set())
     path = _write(tmp_path / "old.toml", {"detect_timeout_s": 2})
-    resolve_aliases(read_job_config(path, ["--recover.hang_timeout_s", "9"]), warn=True)
-    resolve_aliases(read_job_config(path, []), warn=True)  # a relaunch re-reads the config
+    for _ in range(2):  # a relaunch re-reads the config
+        job = read_job_config(path, ["--recover.hang_timeout_s", "9"])
+        warn_deprecated(deprecation_lines(job))
     err = capsys.readouterr().err.splitlines()
     assert err == ["recover-hsdp: [recover] detect_timeout_s is deprecated: use [recover.timeouts] "
                    "detect_s (--recover.timeouts.detect_s)",
@@ -119,7 +122,6 @@ def test_one_warning_line_per_alias_printed_once_per_process(tmp_path, capsys, m
 def test_a_command_line_alias_overrides_the_file_as_before(tmp_path):
     path = _write(tmp_path / "old.toml", {"hang_timeout_s": 60})
     job = read_job_config(path, ["--recover.hang_timeout_s", "10"])
-    resolve_aliases(job)
     assert job.recover.timeouts.hang_s == 10
 
 
@@ -128,18 +130,18 @@ def test_a_command_line_alias_overrides_the_file_as_before(tmp_path):
     ({}, ["--recover.timeouts.detect_s", "3", "--recover.detect_timeout_s", "2"]),
 ])
 def test_alias_and_new_field_that_disagree_are_refused(tmp_path, sections, args):
-    job = read_job_config(_write(tmp_path / "c.toml", {}, sections), args)
     with pytest.raises(ConfigError) as err:
-        resolve_aliases(job)
+        read_job_config(_write(tmp_path / "c.toml", {}, sections), args)
     words = str(err.value)
     assert "recover.detect_timeout_s=2.0" in words and "recover.timeouts.detect_s=3.0" in words
     assert "\n" not in words
 
 
 def test_alias_and_new_field_that_agree_are_fine(tmp_path):
-    job = read_job_config(_write(tmp_path / "c.toml", {"detect_timeout_s": 3.0},
-                                 {"timeouts": {"detect_s": 3.0}}), [])
-    assert len(resolve_aliases(job)) == 1 and job.recover.timeouts.detect_s == 3.0
+    path = _write(tmp_path / "c.toml", {"detect_timeout_s": 3.0}, {"timeouts": {"detect_s": 3.0}})
+    job = read_job_config(path, [])
+    assert len(deprecation_lines(job)) == 1
+    assert job.recover.timeouts.detect_s == 3.0
 
 
 @pytest.mark.parametrize("recover,sections,words", [
@@ -200,8 +202,11 @@ def test_validate_resolves_aliases_and_checks_across_sections():
 
     job = ConfigManager().parse_args(["--job.config_file", str(DEBUG_CONFIG),
                                       "--recover.hang_timeout_s", "11"])
-    validate(job)  # quietly resolves the alias first
-    assert job.recover.timeouts.hang_s == 11 and job.recover.hang_timeout_s is None
+    assert job.recover.timeouts.hang_s == 11 and job.recover.hang_timeout_s is None  # parsed
+    assert job.recover.bad_replicas.consistency_check_interval == 1  # debug_cpu.toml's
+    job.recover.hang_floor_s = 2.0  # an alias set by hand after parsing
+    validate(job)  # resolves it first
+    assert job.recover.timeouts.hang_floor_s == 2.0 and resolve_aliases(job) == []
     job = ConfigManager().parse_args(["--job.config_file", str(DEBUG_CONFIG),
                                       "--recover.reduce.plane", "torch",
                                       "--recover.reduce.wire_dtype", "bf16",

@@ -167,7 +167,7 @@ def prepare_job(args: argparse.Namespace, build_job, supervise, env: dict
                else config.training.local_batch_size * args.replicas * fsdp),
         checkpoints=(Path(config.job.dump_folder) / config.checkpoint.folder
                      if config.checkpoint.enable else None),
-        max_relaunches=rc.max_relaunches)
+        max_relaunches=rc.tiers.max_relaunches)
     _fresh_outputs(out)
     return job, command
 

@@ -30,8 +30,10 @@ from recover_hsdp.config import (
     ConfigError,
     check_batch_sizes,
     data_ranks_per_replica,
+    deprecation_lines,
     load_toml,
     validate,
+    warn_deprecated,
 )
 from recover_hsdp.outputs import start_afresh
 from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, GPUS_PER_NODE_ENV, RANKS_PER_GPU_ENV,
@@ -80,6 +82,8 @@ def read_job_config(config_file: str | Path, overrides: list[str]):
     try:
         with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
             return ConfigManager().parse_args(["--job.config_file", str(config_file), *overrides])
+    except ConfigError:  # ours, already one line (a deprecated alias against its new field)
+        raise
     except SystemExit:  # tyro's usage error, boxed over several lines: keep its words, one line
         lines = [line.strip(" |\u2500\u2502\u256d\u256e\u2570\u256f")
                  for line in captured.getvalue().splitlines()]
@@ -136,6 +140,7 @@ def build_job(args: argparse.Namespace) -> tuple[list[str], Path, object]:
         train += ["--recover.faults.inject", "; ".join(args.fault)]
     train += list(args.overrides)
     job = read_job_config(args.config, train[2:])
+    warn_deprecated(deprecation_lines(job))  # once, in this output
     check_batch_sizes(job.training.local_batch_size, job.training.global_batch_size,
                       args.replicas, data_ranks_per_replica(
                           ranks_per_replica, job.parallelism.tensor_parallel_degree))
@@ -156,8 +161,8 @@ def _launcher(args: argparse.Namespace, job, ranks: int) -> list[str]:
         torchrun = _tool("torchrun") or "torchrun"
         return [torchrun, "--standalone", "--nproc_per_node", str(ranks)]
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **OFFLINE}
-    extra = [] if args.stock else [*heartbeat_detector_args(job.recover.detect_timeout_s),
-                                   *daemon_keepalive_args(job.recover.daemon_keepalive_s)]
+    extra = [] if args.stock else [*heartbeat_detector_args(job.recover.timeouts.detect_s),
+                                   *daemon_keepalive_args(job.recover.tiers.daemon_keepalive_s)]
     if gpus:
         env[GPUS_PER_NODE_ENV] = str(gpus)
         if args.ranks_per_gpu > 1:
@@ -175,7 +180,7 @@ def _launcher(args: argparse.Namespace, job, ranks: int) -> list[str]:
         extra += ["--hostfile", str(args.hostfile)]
     return [*mpirun_prefix(ranks, mpirun=resolve_mpirun(), env=env, extra=extra,
                            oversubscribe=not gpus, ulfm=not args.stock,
-                           transport=job.recover.transport), sys.executable]
+                           transport=job.recover.reduce.transport), sys.executable]
 
 
 def _gpus_per_node(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ rendezvous) ends it too. Those endings are "abnormal": mpirun returned and no su
    fit (at most the original R), from the newest COMPLETE checkpoint (a ``step-N`` folder with
    its ``.metadata``: :func:`newest_complete_checkpoint`); B is the checkpoint's (the policy
    state is in it; G rises), and the data streams go on from the checkpoint's loader state;
-4. at most ``recover.max_relaunches`` times; every relaunch is a record in events.jsonl
+4. at most ``recover.tiers.max_relaunches`` times; every relaunch is a record in events.jsonl
    (``phase: relaunch``) and in summary.json (``relaunches``): cause, lost hosts, steps lost,
    seconds from the failure to training again. The outputs of an attempt are kept in
    ``relaunch/attempt-<k>/`` and merged at the end (:func:`merge_steps`): every step appears
@@ -156,7 +156,7 @@ def plan_relaunch(entries: list[HostEntry], lost: dict[str, str], ranks_per_repl
     """The next attempt ([Note: the relaunch tier], step 3), or why there is none (one line).
     ``hopeless``: :func:`ends_the_same_way`'s reason, if any."""
     if relaunches_done >= max_relaunches:
-        return (f"the job ended abnormally and recover.max_relaunches={max_relaunches} "
+        return (f"the job ended abnormally and recover.tiers.max_relaunches={max_relaunches} "
                 "relaunch(es) are used up")
     if hopeless:
         return hopeless

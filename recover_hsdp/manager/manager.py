@@ -163,7 +163,7 @@ class RecoverManager:
         """[Note: emergency checkpoint] A host lost as a whole (every rank of it out of the
         world at once: a crash, a cut link) may be a failure PRRTE 3.0 does not survive: it
         ends the job when it notices the lost daemon (at once for a crashed host, not before
-        ``recover.daemon_keepalive_s`` after a cut). So the step boundary after such a repair
+        ``recover.tiers.daemon_keepalive_s`` after a cut). So the step boundary after such a repair
         saves a checkpoint whatever the interval. Once the survivors agree it is complete, the
         writer tells the launcher (recover_hsdp/handshake.py) and waits for its verdict: the
         launcher asks every host of the job over its agent; a host that does not answer means

@@ -236,7 +236,8 @@ def load_sequences(job_config, tokenizer) -> PackedSequences:
                          mmap_mode="r")
     else:
         tokens = np.load(pack_dataset(job_config, tokenizer), mmap_mode="r")
-    return PackedSequences(tokens, job_config.training.seq_len, seed=job_config.recover.data_seed)
+    return PackedSequences(tokens, job_config.training.seq_len,
+                           seed=job_config.recover.workload.data_seed)
 
 
 def _dataset_entry(job_config):
@@ -274,7 +275,7 @@ def pack_dataset(job_config, tokenizer) -> Path:
         dataset = entry.loader(path)
         if not isinstance(dataset, Dataset):
             raise ConfigError(
-                f"recover.data_assignment=exact needs a map-style dataset and "
+                f"recover.workload.data_assignment=exact needs a map-style dataset and "
                 f"training.dataset={job_config.training.dataset!r} loads as a stream "
                 f"({type(dataset).__name__}): use data_assignment = \"stream\"")
         stream: list[int] = []
@@ -343,7 +344,7 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config) ->
     replicas, replica, fsdp_degree, fsdp_rank = resolve_replica_layout(
         job_config, dp_world_size, dp_rank)
     lbs = job_config.training.local_batch_size
-    stream = job_config.recover.data_assignment == "stream"
+    stream = job_config.recover.workload.data_assignment == "stream"
     if job_config.recover.enable:  # the MPI path: [Note: microbatch sources]
         if stream:
             return StreamSource(open_stream_part(job_config, tokenizer), fsdp_rank=fsdp_rank,

@@ -11,8 +11,9 @@ so both paths write the same ``metrics.jsonl`` / ``summary.json`` (``recover_hsd
 * ReCoVer (``RecoverTrainer``): the trainer passes the manager's committed-step record to
   :meth:`RecoverMetricsProcessor.log_step`; only the writer rank writes, and only it feeds
   TorchTitan's console / TensorBoard / W&B loggers (``recover/*`` extra metrics).
-TorchTitan's own logging keeps its ``metrics.log_freq``. With ``recover.save_final_params`` both
-paths write the unsharded final parameters (``final_params.pt``) with the summary.
+TorchTitan's own logging keeps its ``metrics.log_freq``. With
+``recover.debug.save_final_params`` both paths write the unsharded final parameters
+(``final_params.pt``) with the summary.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class RecoverMetricsProcessor(MetricsProcessor):
         calls :meth:`write_run_outputs` on the writer, see [Note: the end of a run])."""
         if not self.recover:
             final = None
-            if self.job_config.recover.save_final_params and self.model_parts:
+            if self.job_config.recover.debug.save_final_params and self.model_parts:
                 final = full_tensors(self.model_parts[0])  # a collective of the stock world
             self.write_run_outputs(final)
         super().close()

@@ -3,7 +3,7 @@
 [Note: microbatch sources] The manager asks for microbatches by reference
 (``recover_hsdp.workload.DataRef``), never by "next": a survivor computes extras, a spare
 computes what it may never commit, a restart continues elsewhere. Two sources, one interface
-(:class:`MicrobatchSource`), chosen by ``recover.data_assignment``:
+(:class:`MicrobatchSource`), chosen by ``recover.workload.data_assignment``:
 
   ExactSource   map-style data (the local corpus; a Hugging Face Arrow dataset of local files)
                 tokenised once, packed into fixed windows and shuffled ([Note: microbatch
@@ -20,7 +20,7 @@ computes what it may never commit, a restart continues elsewhere. Two sources, o
                 replayed without caching.
 
 After each committed step the trainer calls ``consume`` with this replica's committed refs: the
-stream source releases them, and with ``recover.log_samples`` each rank writes what it
+stream source releases them, and with ``recover.debug.log_samples`` each rank writes what it
 committed to ``samples/rank<N>.jsonl`` (ref, sequence ids, CRC-32 of each sequence's tokens),
 so tests can check every committed sequence against data recomputed on one process.
 

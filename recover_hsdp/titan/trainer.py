@@ -126,7 +126,7 @@ class RecoverTrainer(Trainer):
         if layout.world_rank == 0 and not self._joining:
             write_registry(job_config.job.dump_folder, self.replica_world.procs)  # launcher's
         self.checkpointer = ReplicaCheckpointer(self.checkpointer, self.manager)
-        if job_config.recover.log_samples:
+        if job_config.recover.debug.log_samples:
             self.dataloader.sample_log = SampleLog(job_config.job.dump_folder,
                                                    self.replica_world.layout.world_rank)
 
@@ -192,7 +192,7 @@ class RecoverTrainer(Trainer):
             for param in params:
                 if param.grad is not None:
                     param.grad.mul_(grad_scale)
-        if str(self.step) in {s.strip() for s in self.job_config.recover.dump_step_gradients}:
+        if str(self.step) in {s.strip() for s in self.job_config.recover.debug.dump_step_gradients}:
             self._dump_step_gradients()
         grad_norm = dist_utils.clip_grad_norm_(params, self.job_config.training.max_norm,
                                                foreach=True)
@@ -298,7 +298,7 @@ class RecoverTrainer(Trainer):
         if manager is None:
             return super().close()
         final = None
-        if self.job_config.recover.save_final_params:
+        if self.job_config.recover.debug.save_final_params:
             try:  # a collective inside the replica: a peer lost here makes the replica leave
                 final = full_tensors(self.model_parts[0])
             except Exception as err:  # noqa: BLE001

@@ -135,7 +135,8 @@ class FakeJob:
             from recover_hsdp.config import ConfigError
             raise ConfigError("bad")
         job = argparse.Namespace(
-            recover=argparse.Namespace(max_relaunches=2, ranks_per_replica=1),
+            recover=argparse.Namespace(tiers=argparse.Namespace(max_relaunches=2),
+                                       ranks_per_replica=1),
             parallelism=argparse.Namespace(tensor_parallel_degree=1),
             training=argparse.Namespace(global_batch_size=-1, local_batch_size=2),
             checkpoint=argparse.Namespace(enable=True, folder=str(self.ckpt)),

@@ -40,7 +40,7 @@ def _names(tag: str, salt: int) -> tuple[str, str]:
     return f"{prefix}{tag}"[:8], subnet
 
 
-IN_JOB = ("--recover.daemon_keepalive_s", "0")
+IN_JOB = ("--recover.tiers.daemon_keepalive_s", "0")
 """PRRTE's own keepalive (~8 min): a cut link stays the in-job tier's for these short runs
 (with the launcher's 5 s, PRRTE ends the job and the relaunch tier takes over:
 tests/cluster/test_relaunch.py)."""
@@ -53,7 +53,7 @@ def _launch(cluster: NetnsCluster, out, steps=STEPS, replicas=None, extra=(), tr
     argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(DEBUG_CONFIG),
             "--replicas", str(replicas or cluster.n), "--out", str(out), "--end-grace", "10",
             *[f"--mpi-arg={a}" for a in mpi], *extra,
-            "--", "--training.steps", str(steps), "--recover.hang_timeout_s", "30", *train]
+            "--", "--training.steps", str(steps), "--recover.timeouts.hang_s", "30", *train]
     log = open(out.parent / f"{out.name}.log", "w")
     proc = cluster.popen(0, argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
                          stdout=log, stderr=log, cwd=str(REPO))
@@ -138,7 +138,7 @@ def test_lost_node_the_others_finish(tmp_path, fault, nodes):
 def test_crashed_node_with_its_daemon_ends_the_job_cleanly(tmp_path):
     """(a) SIGKILL of everything on node 2, its prted included: PRRTE aborts the job (measured:
     no PRRTE option keeps a job whose daemon is lost). With the relaunch tier off
-    (``recover.max_relaunches = 0``) the launcher returns promptly, says so in one line, and no
+    (``recover.tiers.max_relaunches = 0``) the launcher returns promptly, says so in one line, and no
     process of the job is left on any node.
     Real process: PRRTE's reaction to a lost daemon, and nothing left behind on the reachable
     nodes."""
@@ -146,7 +146,7 @@ def test_crashed_node_with_its_daemon_ends_the_job_cleanly(tmp_path):
     out.mkdir()
     prefix, subnet = _names("a", 150)
     with NetnsCluster(4, prefix=prefix, subnet=subnet) as cluster:
-        proc, log = _launch(cluster, out, train=("--recover.max_relaunches", "0"))
+        proc, log = _launch(cluster, out, train=("--recover.tiers.max_relaunches", "0"))
         _wait_for_step(out, 2, proc)
         cluster.kill_node(2)
         rc, wall, text = _finish(proc, out, timeout=120)

@@ -26,7 +26,7 @@ pytestmark = skip_unless_available()
 
 STEPS = 12
 REPLICAS = 3
-TRAIN = ["--training.steps", str(STEPS), "--recover.hang_timeout_s", "30",
+TRAIN = ["--training.steps", str(STEPS), "--recover.timeouts.hang_s", "30",
          "--checkpoint.enable", "--checkpoint.interval", "2"]
 
 
@@ -141,7 +141,7 @@ def test_node_killed_with_its_daemon_is_relaunched(tmp_path, failure_free_3x1):
 def test_cut_link_is_relaunched(tmp_path, failure_free_3x1):
     """Real process: node 2's link cut after step 3 (no RST): the survivors repair in-job and
     save an emergency checkpoint at the next step boundary; the launcher finds node 2 silent,
-    ends the job before PRRTE would (recover.daemon_keepalive_s) and relaunches without node 2
+    ends the job before PRRTE would (recover.tiers.daemon_keepalive_s) and relaunches without node 2
     from that checkpoint: no step redone."""
     _check(*_run(tmp_path, "link_down", 43), failure_free_3x1, lossless=True)
 

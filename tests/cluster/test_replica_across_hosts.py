@@ -36,7 +36,7 @@ def failure_free_2x2(tmp_path_factory, local_corpus):
     out = tmp_path_factory.mktemp("ref2x2") / "run"
     result = run_cli(["train", "--config", str(DEBUG_CONFIG), "--replicas", "2",
                       "--ranks-per-replica", "2", "--out", str(out), "--",
-                      "--training.steps", str(STEPS), "--recover.hang_timeout_s", "30"],
+                      "--training.steps", str(STEPS), "--recover.timeouts.hang_s", "30"],
                      timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return read_jsonl(out / "metrics.jsonl")
@@ -51,7 +51,7 @@ def _launch_split_replica(cluster: NetnsCluster, out):
     argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(DEBUG_CONFIG),
             "--replicas", "2", "--ranks-per-replica", "2", "--out", str(out), "--end-grace", "10",
             *[f"--mpi-arg={arg}" for arg in mpi],
-            "--", "--training.steps", str(STEPS), "--recover.hang_timeout_s", "30", *IN_JOB]
+            "--", "--training.steps", str(STEPS), "--recover.timeouts.hang_s", "30", *IN_JOB]
     log = open(out.parent / f"{out.name}.log", "w")
     proc = cluster.popen(0, argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
                          stdout=log, stderr=log, cwd=str(REPO))

@@ -26,7 +26,7 @@ def _train(cluster: NetnsCluster, out, stock: bool):
             str(DEBUG_CONFIG), "--replicas", "2", "--ranks-per-replica", "1", "--out", str(out),
             "--gpus-per-node", "0", "--hostfile", str(cluster.hostfile),
             *[f"--mpi-arg={a}" for a in mpi], *(["--stock"] if stock else []),
-            "--", "--training.steps", str(STEPS), "--recover.save_final_params",
+            "--", "--training.steps", str(STEPS), "--recover.debug.save_final_params",
             "--training.global_batch_size", str(G * 2 * LBS)]
     result = cluster.run(0, argv, timeout=240, cwd=str(REPO),
                          env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),

@@ -24,8 +24,8 @@ def _train(out, faults=(), replicas=4, ranks=1, extra=()):
     for fault in faults:
         args += ["--fault", fault]
     started = time.monotonic()
-    result = run_cli(args + ["--", "--recover.hang_timeout_s", "20",
-                             "--recover.save_final_params", *extra], timeout=300)
+    result = run_cli(args + ["--", "--recover.timeouts.hang_s", "20",
+                             "--recover.debug.save_final_params", *extra], timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     return read_jsonl(out / "metrics.jsonl"), time.monotonic() - started
 
@@ -71,7 +71,7 @@ def test_nan_k_times_retires_the_replica_4x1(tmp_path, failure_free):
     Real process: the retiring rank really ends itself (SIGKILL) mid-step and ULFM shrinks the
     world around it while the others are re-reducing the step."""
     faults = [f"replica=2,step={s},phase=grad_sync,mode=nan,bucket=1" for s in (2, 3)]
-    steps, wall = _train(tmp_path, faults, extra=["--recover.nonfinite_max_offences", "2"])
+    steps, wall = _train(tmp_path, faults, extra=["--recover.bad_replicas.max_offences", "2"])
     _check(tmp_path, steps, failure_free["exact"], b=4, alive=[4, 4] + [3] * (STEPS - 2))
     assert [(e["step"], e["culprits"]["2"]["action"]) for e in _nonfinite(tmp_path)] == [
         (2, "excluded"), (3, "retired")]
@@ -109,5 +109,5 @@ def test_nan_k_times_retires_a_2x2_replica(tmp_path, failure_free_2x2):
     untouched."""
     faults = [f"replica=1,step={s},phase=grad_sync,mode=nan" for s in (2, 3)]
     steps, _ = _train(tmp_path, faults, replicas=2, ranks=2,
-                      extra=["--recover.nonfinite_max_offences", "2"])
+                      extra=["--recover.bad_replicas.max_offences", "2"])
     _check(tmp_path, steps, failure_free_2x2, b=2, alive=[2, 2] + [1] * (STEPS - 2))

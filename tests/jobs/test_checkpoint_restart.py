@@ -14,7 +14,7 @@ def _train(out, replicas, ckpt, steps, *extra, faults=()):
     args = ["train", "--config", str(DEBUG_CONFIG), "--replicas", str(replicas), "--out", str(out),
             *(a for f in faults for a in ("--fault", f)),
             "--", "--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.interval",
-            "4", "--checkpoint.folder", str(ckpt), "--recover.hang_timeout_s", "10", *extra]
+            "4", "--checkpoint.folder", str(ckpt), "--recover.timeouts.hang_s", "10", *extra]
     result = run_cli(args, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     return read_jsonl(out / "metrics.jsonl")

@@ -20,7 +20,7 @@ def _train(out, *extra_args, faults=(), replicas=4, hang_timeout=10):
     args = ["train", "--config", str(DEBUG_CONFIG), "--replicas", str(replicas), "--out", str(out)]
     for fault in faults:
         args += ["--fault", fault]
-    result = run_cli(args + ["--", "--recover.hang_timeout_s", str(hang_timeout), *extra_args],
+    result = run_cli(args + ["--", "--recover.timeouts.hang_s", str(hang_timeout), *extra_args],
                      timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     return result, read_jsonl(out / "metrics.jsonl")
@@ -43,7 +43,7 @@ def test_exact_mode_two_deaths_stays_on_failure_free_trajectory(tmp_path, failur
     """Real process: two replicas SIGKILLed mid-sync under mpirun; TorchTitan's loss stays the
     failure-free one (the MPI run's), on both data planes ([Note: control plane and data
     plane]: on ``torch`` the first kill lands inside a gloo all-reduce of the survivors)."""
-    _, steps = _train(tmp_path, "--recover.save_final_params", "--recover.data_plane",
+    _, steps = _train(tmp_path, "--recover.debug.save_final_params", "--recover.reduce.plane",
                       data_plane, faults=TWO_KILLS)
     _assert_b_every_step(steps, final_alive=2)
     assert [s["alive_replicas"] for s in steps] == [4, 4, 3, 3, 3, 2, 2, 2, 2, 2]

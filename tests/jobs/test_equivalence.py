@@ -25,7 +25,7 @@ def _train(tmp_path, replicas, ranks, stock, data=()):
             "--ranks-per-replica", str(ranks), "--out", str(out)]
     if stock:
         args.append("--stock")
-    result = run_cli(args + ["--", "--training.steps", "5", "--recover.save_final_params",
+    result = run_cli(args + ["--", "--training.steps", "5", "--recover.debug.save_final_params",
                              "--training.global_batch_size", str(G * replicas * ranks * LBS),
                              *data])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -41,7 +41,7 @@ def test_mpi_path_matches_stock_hsdp(tmp_path, local_corpus, replicas, ranks, mo
     data = ()
     if mode == "stream":
         data = ("--training.dataset", "c4", "--training.dataset_path",
-                str(make_local_c4(tmp_path / "c4")), "--recover.data_assignment", "stream")
+                str(make_local_c4(tmp_path / "c4")), "--recover.workload.data_assignment", "stream")
     mpi = _train(tmp_path, replicas, ranks, stock=False, data=data)
     stock = _train(tmp_path, replicas, ranks, stock=True, data=data)
 

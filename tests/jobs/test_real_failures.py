@@ -30,7 +30,7 @@ def _train(out, faults=(), replicas=4, ranks=1, extra=(), timeout=300, hang_time
     for fault in faults:
         args += ["--fault", fault]
     started = time.monotonic()
-    hang = ["--recover.hang_timeout_s", hang_timeout] if hang_timeout else []
+    hang = ["--recover.timeouts.hang_s", hang_timeout] if hang_timeout else []
     result = run_cli(args + ["--", *hang, *extra], timeout=timeout)
     wall = time.monotonic() - started
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
@@ -78,7 +78,7 @@ def test_frozen_rank_is_declared_dead_and_nothing_is_left_behind(tmp_path, failu
     found by the detector; on the torch data plane the others are blocked in a gloo all-reduce
     with it and abandon it when the detector's notice arrives."""
     result, steps, wall = _train(tmp_path, faults=["replica=2,step=3,phase=backward,mode=stop"],
-                                 extra=["--recover.data_plane", data_plane])
+                                 extra=["--recover.reduce.plane", data_plane])
     _check(tmp_path, steps, failure_free, alive_after=3, wall=wall)
     (event,) = read_jsonl(tmp_path / "events.jsonl")
     assert event["dead_replicas"] == [2] and event["step"] == 3
@@ -111,7 +111,7 @@ def test_error_in_one_rank_of_a_2x2_replica_takes_the_replica_out(tmp_path, data
     fails."""
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=1,step=2,phase=backward,rank=1,mode=raise"],
-                                 extra=["--training.steps", "4", "--recover.data_plane",
+                                 extra=["--training.steps", "4", "--recover.reduce.plane",
                                         data_plane])
     event = _check_2x2(tmp_path, steps, wall, [2, 1, 1, 1])
     assert "rank 3 step 2: RuntimeError: injected fault" in " ".join(event["errors"]["1"])
@@ -124,7 +124,7 @@ def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
     Real process: (slow: the 2 x 2 case below and test_manager prove it) the writer
     SIGKILLed while it writes files."""
     result, steps, wall = _train(tmp_path, faults=[f"replica=0,step={STEPS},phase=finish"],
-                                 extra=["--recover.save_final_params"])
+                                 extra=["--recover.debug.save_final_params"])
     summary = _check(tmp_path, steps, failure_free, alive_after=4, wall=wall)
     assert summary["alive_replicas"] == 3  # the writer's replica died after the last step
     assert (tmp_path / "final_params.pt").exists()
@@ -164,7 +164,7 @@ def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
     end complete."""
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=0,step=4,phase=finish,rank=0"],
-                                 extra=["--training.steps", "4", "--recover.save_final_params"])
+                                 extra=["--training.steps", "4", "--recover.debug.save_final_params"])
     no_step_waited_for_a_deadline(steps)
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(s["reduced_microbatches"] == 2 and s["alive_replicas"] == 2 for s in steps)
@@ -229,7 +229,7 @@ def test_a_replica_20x_slower_is_not_a_hang_but_a_stuck_one_is_found_fast(tmp_pa
     3's main thread sticks at step 7 and is found after ~40 x its own microbatch: seconds, not
     the 120 s ceiling.
     Real process: a sleeping (slow) main thread that progresses, and one that never returns."""
-    result, steps, wall = _train(tmp_path, extra=["--recover.hang_floor_s", "1"], faults=[
+    result, steps, wall = _train(tmp_path, extra=["--recover.timeouts.hang_floor_s", "1"], faults=[
         "replica=1,step=3,phase=forward,mode=slow,times=20,steps=3",
         "replica=3,step=7,phase=backward,mode=hang"], timeout=400, hang_timeout="120")
     _check(tmp_path, steps, failure_free, alive_after=3, wall=wall)
@@ -250,7 +250,7 @@ def test_a_long_step_is_not_a_death(tmp_path):
     Real process: a real process holding the GIL for 20 s is not declared dead by the detector."""
     result, steps, wall = _train(tmp_path, replicas=2,
                                  faults=["replica=1,step=2,phase=forward,mode=busy,seconds=20"],
-                                 extra=["--training.steps", "3", "--recover.hang_timeout_s", "60"])
+                                 extra=["--training.steps", "3", "--recover.timeouts.hang_s", "60"])
     assert [s["alive_replicas"] for s in steps] == [2, 2, 2]
     assert steps[1]["step_time_s"] >= 20
     assert not (tmp_path / "events.jsonl").exists() or not (tmp_path / "events.jsonl").read_text()
@@ -270,6 +270,6 @@ def test_frozen_rank_of_a_2x2_replica(tmp_path, data_plane):
     survivor ends it."""
     result, steps, wall = _train(tmp_path, replicas=2, ranks=2,
                                  faults=["replica=1,step=2,phase=backward,rank=1,mode=stop"],
-                                 extra=["--training.steps", "4", "--recover.data_plane",
+                                 extra=["--training.steps", "4", "--recover.reduce.plane",
                                         data_plane])
     assert _check_2x2(tmp_path, steps, wall, [2, 1, 1, 1])["detect_s"] < 15

@@ -28,8 +28,8 @@ def _run_with_faults(out, replicas, ranks, faults, dump_steps, extra=()):
             "--ranks-per-replica", str(ranks), "--out", str(out)]
     for fault in faults:
         args += ["--fault", fault]
-    result = run_cli(args + ["--", "--training.steps", str(STEPS), "--recover.hang_timeout_s",
-                             "10", "--recover.dump_step_gradients",
+    result = run_cli(args + ["--", "--training.steps", str(STEPS), "--recover.timeouts.hang_s",
+                             "10", "--recover.debug.dump_step_gradients",
                              ",".join(map(str, dump_steps)), *extra])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     (out / "stdout.log").write_text(result.stdout)
@@ -83,7 +83,7 @@ def test_promoted_spare(tmp_path, local_corpus, mode):
     the spare is promoted, nothing is recomputed, and its gradient is the committed one.
     Real process: (slow: test_manager proves the promotion) a promoted spare's real
     gradient."""
-    extra = ("--recover.data_assignment", mode)
+    extra = ("--recover.workload.data_assignment", mode)
     out = _run_with_faults(tmp_path, 4, 1, [
         "replica=2,step=2,phase=grad_sync,bucket=3",
         "replica=0,step=3,phase=grad_sync,bucket=2"], dump_steps=(3,), extra=extra)
@@ -107,7 +107,7 @@ def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus, k, data_plane):
     Real process: FSDP2 sharding over 2 real ranks; the dead rank's peer leaves; gradients against
     the oracle."""
     out = _run_with_faults(tmp_path, 2, 2, [f"replica=1,step=2,phase=grad_sync,bucket={k},rank=1"],
-                           dump_steps=(2,), extra=("--recover.data_plane", data_plane))
+                           dump_steps=(2,), extra=("--recover.reduce.plane", data_plane))
     text = (out / "stdout.log").read_text()
     assert "RETIRE rank 2" in text or (out / "errors" / "rank2.json").exists()
     assert read_registry(out)[2].state() is None            # replica 1's live rank left with it
@@ -123,7 +123,7 @@ def test_second_death_during_rereduce(tmp_path, local_corpus, data_plane):
     out = _run_with_faults(tmp_path, 4, 1, [
         "replica=1,step=2,phase=grad_sync,bucket=3",
         "replica=3,step=2,phase=rereduce,bucket=2"], dump_steps=(2,),
-        extra=("--recover.data_plane", data_plane))
+        extra=("--recover.reduce.plane", data_plane))
     events = read_jsonl(out / "events.jsonl")
     assert [e["dead_replicas"] for e in events] == [[1], [3]] and events[1]["epoch"] == 2
     _check_step_against_oracle(out, 2, 1, [1, 3], 4)

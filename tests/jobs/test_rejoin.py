@@ -23,8 +23,8 @@ from conftest import DEBUG_CONFIG, REPO, read_jsonl, run_cli
 from recover_hsdp.collectives.processes import read_registry
 
 STEPS = 40
-COMMON = ("--training.steps", str(STEPS), "--recover.hang_timeout_s", "10",
-          "--recover.consistency_check_interval", "1")
+COMMON = ("--training.steps", str(STEPS), "--recover.timeouts.hang_s", "10",
+          "--recover.bad_replicas.consistency_check_interval", "1")
 
 
 def _train_args(out, replicas, ranks, faults=(), extra=()):
@@ -87,7 +87,7 @@ def test_respawn_4x1(tmp_path, reference, data_plane):
     """Real process: MPI_Comm_spawn through PRRTE and the transfer of TorchTitan's real state."""
     out = tmp_path / "run"
     result = run_cli(_train_args(out, 4, 1, ["replica=1,step=3,phase=grad_sync"],
-                                 ("--recover.respawn_after_steps", "1", "--recover.data_plane",
+                                 ("--recover.tiers.respawn_after_steps", "1", "--recover.reduce.plane",
                                   data_plane)), timeout=400)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     steps, joins, summary = _check(out, reference, 4, 1)
@@ -110,7 +110,7 @@ def test_death_during_the_transfer(tmp_path, reference, victim):
     target = 1 if victim == "newcomer" else 2
     result = run_cli(_train_args(out, 4, 1, ["replica=1,step=3,phase=grad_sync",
                                              f"replica={target},step=5,phase=join"],
-                                 ("--recover.respawn_after_steps", "1")), timeout=400)
+                                 ("--recover.tiers.respawn_after_steps", "1")), timeout=400)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     steps, joins, summary = _check(out, reference, 4, 1)
     fired = read_jsonl(out / "faults_fired.jsonl")
@@ -139,7 +139,7 @@ def test_survivor_death_while_the_newcomer_starts(tmp_path, reference):
     out = tmp_path / "run"
     result = run_cli(_train_args(out, 4, 1, ["replica=3,step=2,phase=forward",
                                              "replica=2,step=6,phase=forward"],
-                                 ("--recover.respawn_after_steps", "2")), timeout=400)
+                                 ("--recover.tiers.respawn_after_steps", "2")), timeout=400)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     steps, joins, summary = _check(out, reference, 4, 1)
     first = joins[0]

@@ -41,7 +41,7 @@ def _train(out, replicas, ranks, *, stock=False, faults=(), extra=(), timeout=40
 def test_fsdp_x_tp_replicas_match_stock_hsdp_tp(tmp_path, local_corpus, fsdp):
     """Real process: TorchTitan's TP plan in replicas against stock HSDP + TP under torchrun."""
     ranks = fsdp * 2
-    extra = (*TP, "--recover.save_final_params",
+    extra = (*TP, "--recover.debug.save_final_params",
              "--training.global_batch_size", str(G * 2 * fsdp * LBS))
     mpi = _train(tmp_path / "mpi", 2, ranks, extra=extra)
     stock = _train(tmp_path / "stock", 2, ranks, stock=True, extra=extra)
@@ -69,9 +69,9 @@ def test_tp_rank_killed_mid_sync_replica_leaves_as_a_unit(tmp_path, local_corpus
                                                          against_failure_free):
     """Real process: a TP rank SIGKILLed mid-sync; its TP peer's collective fails; the replica
     leaves as a unit."""
-    common = ("--recover.hang_timeout_s", "10")
+    common = ("--recover.timeouts.hang_s", "10")
     out = _train(tmp_path / "tp", 3, 2, faults=["replica=1,step=2,phase=grad_sync,bucket=3,rank=1"],
-                 extra=(*TP, *common, "--recover.dump_step_gradients", "2"))
+                 extra=(*TP, *common, "--recover.debug.dump_step_gradients", "2"))
     steps = read_jsonl(out / "metrics.jsonl")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert all(s["reduced_microbatches"] == 3 for s in steps)       # B = 3, measured

@@ -34,8 +34,8 @@ def _train(out, c4, dataset, mode, replicas, ranks, steps, faults=(), extra=(), 
         args += ["--fault", fault]
     args += ["--", "--training.dataset", dataset, "--training.dataset_path", str(c4),
              "--training.seq_len", str(SEQ), "--training.global_batch_size",
-             str(g * replicas * ranks * LBS), "--recover.data_assignment", mode,
-             "--recover.log_samples", "--recover.hang_timeout_s", "10",
+             str(g * replicas * ranks * LBS), "--recover.workload.data_assignment", mode,
+             "--recover.debug.log_samples", "--recover.timeouts.hang_s", "10",
              "--training.steps", str(steps), *extra]
     result = run_cli(args, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]

@@ -69,9 +69,9 @@ def test_apportion():
 
 
 def test_rule_refused_in_one_line():
-    for rule, field in ((StragglerRule(1.0), "straggler_slow_ratio"),
-                        (StragglerRule(1.5, 1.6), "straggler_recover_ratio"),
-                        (StragglerRule(1.5, 1.2, 0), "straggler_patience")):
+    for rule, field in ((StragglerRule(1.0), "bad_replicas.slow_ratio"),
+                        (StragglerRule(1.5, 1.6), "bad_replicas.recover_ratio"),
+                        (StragglerRule(1.5, 1.2, 0), "bad_replicas.slow_patience")):
         with pytest.raises(ValueError, match=field):
             rule.check()
     StragglerRule().check()  # off

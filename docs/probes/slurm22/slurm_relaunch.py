@@ -44,7 +44,7 @@ def command(cluster) -> list[str]:
             "--config", str(REPO / "torchtitan_configs" / "debug_cpu.toml"),
             "--replicas", "3", "--out", str(OUT), "--end-grace", "10",
             *[f"--mpi-arg={a}" for a in mpi], "--",
-            "--training.steps", "12", "--recover.hang_timeout_s", "30",
+            "--training.steps", "12", "--recover.timeouts.hang_s", "30",
             "--checkpoint.enable", "--checkpoint.interval", "2",
             "--checkpoint.folder", str(slurm_cluster.ROOT / "ckpt")]
 
