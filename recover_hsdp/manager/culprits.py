@@ -14,10 +14,10 @@ extras of the others (``WorkloadPolicy.exclude``: promotion, water-filling), the
 contribute zero, every bucket is restored from its snapshot and reduced again (they all hold the
 poisoned sum), and the step commits exactly B; exact mode commits the failure-free ids, so the
 loss is the failure-free run's. A culprit is excluded from that step only: it stays in the
-membership and is planned as usual next step. After ``nonfinite_max_offences`` offences within
-``nonfinite_window_steps`` steps it retires as a unit instead: its ranks leave (the reason goes
-to ``errors/``, the others' next consensus sees a death), and it may come back fresh through
-the rejoin path. A replica's ranks count its own offences (they are born together and see the
+membership and is planned as usual next step. After ``[recover.bad_replicas] max_offences``
+offences within ``offence_window_steps`` steps it retires as a unit instead: its ranks leave (the
+reason goes to ``errors/``, the others' next consensus sees a death), and it may come back fresh
+through the rejoin path. A replica's ranks count its own offences (they are born together and see the
 same agreed culprits), so that decision needs no state a newcomer lacks; the others exclude it
 either way and then repair the death. No culprit found (a finite contribution that overflowed in
 the sum) refuses the step in one line. Every finding is one ``events.jsonl`` line (``phase``
@@ -31,6 +31,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from recover_hsdp.config import BadReplicas
 from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.phases import Phase
 from recover_hsdp.workload import StepPlan
@@ -64,14 +65,16 @@ class Culprits:
         bucket_sync: this rank's ``BucketSync``.
         outputs: this rank's ``RunMetrics`` (events, written by the writer).
         initial_replicas: W_init (one row of the agreement per initial replica).
-        max_offences, window_steps: ``[recover] nonfinite_max_offences`` / ``_window_steps``.
+        limits: the ``[recover.bad_replicas]`` section (config.BadReplicas): ``max_offences``
+            within ``offence_window_steps`` retire a replica (default: the section's defaults).
     """
 
     def __init__(self, *, world, bucket_sync, outputs: RunMetrics, initial_replicas: int,
-                 max_offences: int = 3, window_steps: int = 100) -> None:
+                 limits: BadReplicas | None = None) -> None:
+        limits = limits or BadReplicas()
         self.world, self.bucket_sync, self.outputs = world, bucket_sync, outputs
         self.initial_replicas = initial_replicas
-        self.offences = Offences(max_offences, window_steps)
+        self.offences = Offences(limits.max_offences, limits.offence_window_steps)
 
     def absorb(self, step: int, state, policy, span, leave: Callable[[int, str], None],
                compute_new_extras: Callable[[], None], rereduce: Callable[[], int]) -> None:

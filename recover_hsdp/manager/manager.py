@@ -56,6 +56,7 @@ from typing import Any, Callable, NoReturn, Sequence
 from recover_hsdp import handshake
 from recover_hsdp.collectives.processes import ProcessInfo
 from recover_hsdp.errors import one_line
+from recover_hsdp.config import BadReplicas, Tiers
 from recover_hsdp.faults import ConsensusPoint, FaultInjector
 from recover_hsdp.manager.between_steps import BetweenSteps
 from recover_hsdp.manager.culprits import Culprits
@@ -83,31 +84,33 @@ class RecoverManager:
         out_dir: the run's output folder (ledger).
         tokens_per_microbatch: label tokens of one microbatch of one replica (D x batch x seq:
             its FSDP ranks' parts, [Note: replica layout] in config.py).
-        consistency_check_interval: every this many steps compare parameter checksums across
-            replicas (0: never); ``parameter_checksum`` computes this rank's.
+        bad_replicas: the ``[recover.bad_replicas]`` section (config.BadReplicas): the culprits'
+            offence limits ([Note: bad replicas]) and ``consistency_check_interval``, every this
+            many steps compare parameter checksums across replicas (``parameter_checksum``
+            computes this rank's). Default: the section's defaults with the check off (0).
+        tiers: the ``[recover.tiers]`` section (config.Tiers): ``respawn_after_steps`` for
+            :class:`Rejoin` (0: only on request) and ``emergency_checkpoint`` ([Note: emergency
+            checkpoint]). Default: the section's defaults.
         procs: every world rank's process (bootstrap), to end excluded ones on this host.
         die: ends this rank after a replica-local error (default: SIGKILL itself; tests pass
             the fake world's kill).
         counts_data: this rank's loss and token counts enter the step's totals (False on the
             tensor-parallel peers of an FSDP rank: they computed the same microbatch).
-        respawn_after_steps: ``[recover] respawn_after_steps`` (rejoin; 0: only on request).
         joins: the join primitives for :class:`Rejoin` (tests: the fake world's).
-        nonfinite_max_offences, nonfinite_window_steps: [Note: bad replicas] (``[recover]``).
-        emergency_checkpoint: ``[recover] emergency_checkpoint`` ([Note: emergency checkpoint]).
     """
 
     def __init__(self, *, world, bucket_sync, policy: WorkloadPolicy, faults: FaultInjector,
                  outputs: RunMetrics, out_dir: str | Path, tokens_per_microbatch: int,
-                 consistency_check_interval: int = 0,
+                 bad_replicas: BadReplicas | None = None, tiers: Tiers | None = None,
                  parameter_checksum: Callable[[], float] | None = None,
                  procs: Sequence[ProcessInfo] = (), die: Callable[[], None] | None = None,
-                 counts_data: bool = True, respawn_after_steps: int = 0, joins=None,
-                 nonfinite_max_offences: int = 3, nonfinite_window_steps: int = 100,
-                 emergency_checkpoint: bool = True):
+                 counts_data: bool = True, joins=None):
+        bad_replicas = bad_replicas or BadReplicas(consistency_check_interval=0)
+        tiers = tiers or Tiers()
         self.world, self.bucket_sync, self.policy = world, bucket_sync, policy
         self.outputs, self.out_dir = outputs, Path(out_dir)
         self.tokens_per_microbatch = tokens_per_microbatch
-        self.consistency_check_interval = consistency_check_interval
+        self.consistency_check_interval = bad_replicas.consistency_check_interval
         self.parameter_checksum = parameter_checksum
         self.counts_data = counts_data
         self.phases, self.timer = PhaseHooks(), PhaseTimer()
@@ -127,18 +130,16 @@ class RecoverManager:
         self.rejoin = Rejoin(world=world, writer=self.writer, outputs=outputs,
                              processes=self.processes, phases=self.phases, out_dir=out_dir,
                              checksum=parameter_checksum,
-                             respawn_after_steps=respawn_after_steps, joins=joins)
+                             respawn_after_steps=tiers.respawn_after_steps, joins=joins)
         self.culprits = Culprits(world=world, bucket_sync=bucket_sync, outputs=outputs,
-                                 initial_replicas=policy.initial_replicas,
-                                 max_offences=nonfinite_max_offences,
-                                 window_steps=nonfinite_window_steps)
+                                 initial_replicas=policy.initial_replicas, limits=bad_replicas)
         self._last_microbatch_s: float | None = None  # this rank's, measured (its own work)
         self.committed_data: list[DataRef] = []  # this replica's data in the last committed step
         self._contract_checked = False
         self._current_step = 0
         self._decided_at = 0.0
         self.emergency_checkpoint = False  # [Note: emergency checkpoint]
-        self._emergency_on = emergency_checkpoint
+        self._emergency_on = tiers.emergency_checkpoint
         self._emptied_hosts: set[str] = set()  # since the last emergency checkpoint
         bucket_sync.on_bucket = self._bucket_point
         world.on_phase = self._consensus_point  # the consensus's stages are points of it

@@ -2,8 +2,8 @@
 
 [Note: rejoin at a boundary] Before a step, every survivor decides the same thing from agreed
 facts only: the replicas missing (W_init minus the alive ones), how many steps ago one was last
-lost (``[recover] respawn_after_steps``), and the operator's join requests counted by the writer;
-the counts ride along in every step's totals reduce (no extra collective). When a join is due:
+lost (``[recover.tiers] respawn_after_steps``), and the operator's join requests counted by the
+writer; the counts ride along in every step's totals reduce (no extra collective). When a join is due:
 
   1. start: the spawner (shard 0 of the lowest alive replica: the writer) spawns S ranks per
      missing replica (the replica ids of dead ones; ``MPI_Comm_spawn`` blocks only the spawner,
@@ -65,7 +65,7 @@ class Rejoin:
         out_dir: the run's output folder (``join/requests``).
         checksum: this rank's parameter checksum (the newcomer checks it against the donor's),
             or None.
-        respawn_after_steps: ``[recover] respawn_after_steps`` (0: only on request).
+        respawn_after_steps: ``[recover.tiers] respawn_after_steps`` (0: only on request).
         joins: the join's collective operations (``Joins``; default: ``CollectiveJoins``).
 
     Attributes:

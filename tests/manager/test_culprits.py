@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fakes import values_of
+from recover_hsdp.config import BadReplicas
 from recover_hsdp.workload import StragglerRule
 from test_manager import StandInWork, check_against_oracle, run_job
 
@@ -108,7 +109,8 @@ def test_k_offences_retire_the_replica_and_b_is_kept(tmp_path):
     at the third; the others commit B every step, gradient == oracle."""
     faults = [f"replica=1,step={s},phase=grad_sync,mode=nan,bucket=0" for s in (2, 3, 4)]
     hub, results = run_job(tmp_path, replicas=4, g=1, steps=6, work_class=NormWork,
-                           faults=faults, manager_kwargs={"nonfinite_max_offences": 3})
+                           faults=faults,
+                           manager_kwargs={"bad_replicas": BadReplicas(max_offences=3)})
     works = values_of(results, killed=[(1, 0)])
     ledger = check_against_oracle(tmp_path, works, 4, 6, b=4)
     assert [len(e.alive) for e in ledger] == [4, 4, 4, 3, 3, 3] and _all_finite(works)
@@ -122,8 +124,8 @@ def test_k_offences_retire_the_replica_and_b_is_kept(tmp_path):
 def test_offences_outside_the_window_do_not_retire(tmp_path):
     faults = [f"replica=1,step={s},phase=grad_sync,mode=nan" for s in (1, 3, 5)]
     hub, results = run_job(tmp_path, replicas=3, g=1, steps=5, work_class=NormWork, faults=faults,
-                           manager_kwargs={"nonfinite_max_offences": 2,
-                                           "nonfinite_window_steps": 2})
+                           manager_kwargs={"bad_replicas": BadReplicas(
+                               max_offences=2, offence_window_steps=2)})
     works = values_of(results)
     check_against_oracle(tmp_path, works, 3, 5, b=3)
     assert [e["culprits"]["1"]["offences"] for e in _nonfinite_events(tmp_path)] == [1, 1, 1]

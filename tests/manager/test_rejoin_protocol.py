@@ -22,6 +22,7 @@ import torch
 
 from fake_join import FakeJoins
 from fakes import FakeHub, FakeUnit, Killed, Retired, run_ranks, values_of
+from recover_hsdp.config import BadReplicas, Tiers
 from recover_hsdp.manager import RecoverManager
 from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.recovery import BucketSync
@@ -94,9 +95,10 @@ def run_rejoin_job(tmp_path, replicas, g, steps, faults=(), shards=1, respawn=1,
             world=world, bucket_sync=sync, policy=policy,
             faults=FakeFaults(faults, hub, world.replica, world.shard, tmp_path),
             outputs=outputs, out_dir=tmp_path, tokens_per_microbatch=TOKENS * shards,
-            consistency_check_interval=1, parameter_checksum=work.checksum,
+            bad_replicas=BadReplicas(consistency_check_interval=1),
+            tiers=Tiers(respawn_after_steps=respawn), parameter_checksum=work.checksum,
             die=lambda: hub.kill(world.replica, world.shard),
-            respawn_after_steps=respawn, joins=joins)
+            joins=joins)
         return manager, work, outputs
 
     def run(manager, work, outputs, world, first: int, admit_first: bool):
