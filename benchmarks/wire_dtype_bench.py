@@ -29,7 +29,8 @@ def run(replicas: int, steps: int, plane: str, dtype: str) -> list[dict]:
         command = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config",
                    str(CONFIG), "--replicas", str(replicas), "--out", out, "--",
                    "--training.steps", str(steps), "--recover.reduce.plane", plane,
-                   "--recover.reduce.wire_dtype", dtype, "--recover.bad_replicas.consistency_check_interval", "10"]
+                   "--recover.reduce.wire_dtype", dtype,
+                   "--recover.bad_replicas.consistency_check_interval", "10"]
         subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=1800)
         return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 

@@ -45,7 +45,7 @@ ULFM_MCA: tuple[str, ...] = (
 )
 
 
-# [Note: transports] ``[recover] transport`` picks the btl of the control plane and of the
+# [Note: transports] ``[recover.reduce] transport`` picks the btl of the control plane and of the
 # ``mpi`` data plane. With ULFM in Open MPI 5.0.x only pml ob1 is fault tolerant, over btl
 # self, tcp, sm (which hangs on a death here), uct (InfiniBand/RoCE through UCX's UCT) and,
 # from 5.0.10, ofi (libfabric). The PyPI wheel carries the uct and ofi components but not the
@@ -170,7 +170,7 @@ def mpirun_prefix(nprocs: int | None = None, *, mpirun: str | None = None, overs
         extra: More mpirun arguments (e.g. ``heartbeat_detector_args()``, ``--host ...``).
         ulfm: The ULFM flags (False: a plain launch, e.g. the stock baseline across hosts, whose
             ranks do not use MPI and must end the job when one fails).
-        transport: ``[recover] transport`` ([Note: transports]): the btl of the ULFM flags.
+        transport: ``[recover.reduce] transport`` ([Note: transports]): the btl of the ULFM flags.
     """
     mca = list(ULFM_MCA)
     mca[mca.index("tcp,self")] = transport_btl(transport)

@@ -3,7 +3,7 @@
 [Note: control plane and data plane] The fault-tolerant world (ULFM: detector, agreement,
 shrink, epoch, membership, the consensus) is the one source of truth about who is alive and
 whether an epoch is clean. The bucket sums themselves go through the data plane chosen by
-``[recover] data_plane``:
+``[recover.reduce] plane``:
 
 * ``mpi`` (the default on CPU): the world's guarded all-reduce over the shard communicator
   (``MpiDataPlane``, recovery/planes.py), chunked, btl/tcp.
@@ -279,30 +279,30 @@ class TorchDataPlane:
 
 
 def resolve_data_plane(name: str, device=None, ranks_per_gpu: int = 1) -> str:
-    """``[recover] data_plane`` for a model on ``device``: ``auto`` is ``torch`` on CUDA with
+    """``[recover.reduce] plane`` for a model on ``device``: ``auto`` is ``torch`` on CUDA with
     one rank per GPU, ``mpi`` otherwise (config.py says why). NCCL takes one rank per GPU in a
     communicator, so ``torch`` on GPUs shared by several ranks is refused (one line)."""
     on_gpu = device is not None and torch.device(device).type == "cuda"
     if name == "auto":
         return "torch" if on_gpu and ranks_per_gpu == 1 else "mpi"
     if name == "torch" and on_gpu and ranks_per_gpu > 1:
-        raise ConfigError(f"recover.data_plane=torch with {ranks_per_gpu} ranks per GPU: NCCL "
-                          "needs one rank per GPU in a group; use data_plane = \"mpi\" (or "
-                          "\"auto\") or --ranks-per-gpu 1")
+        raise ConfigError(f"recover.reduce.plane=torch with {ranks_per_gpu} ranks per GPU: NCCL "
+                          "needs one rank per GPU in a group; use plane = \"mpi\" (or "
+                          "\"auto\") in [recover.reduce] or --ranks-per-gpu 1")
     return name
 
 
-def build_data_plane(rc, world, device=None, timeout_s: float = 1800.0,
+def build_data_plane(reduce, world, device=None, timeout_s: float = 1800.0,
                      ranks_per_gpu: int = 1):
-    """The data plane ``[recover] data_plane`` names for ``world`` (``auto`` resolved for
-    ``device``): an ``MpiDataPlane`` (recovery/planes.py: the world's own all-reduce) or a
-    :class:`TorchDataPlane`; either is a ``DataPlane``."""
-    plane = resolve_data_plane(rc.data_plane, device, ranks_per_gpu)
+    """The data plane the ``[recover.reduce]`` section (config.Reduce) names for ``world``
+    (``auto`` resolved for ``device``): an ``MpiDataPlane`` (recovery/planes.py: the world's own
+    all-reduce) or a :class:`TorchDataPlane`; either is a ``DataPlane``."""
+    plane = resolve_data_plane(reduce.plane, device, ranks_per_gpu)
     if world.world_rank == 0:
-        how = "" if plane == "mpi" else (f", wire {rc.wire_dtype}, sums "
-                                         + ("overlapped" if rc.overlap_reduce else "in the hook"))
-        log_line(f"data plane: {plane} (data_plane = {rc.data_plane}){how}")
+        how = "" if plane == "mpi" else (f", wire {reduce.wire_dtype}, sums "
+                                         + ("overlapped" if reduce.overlap else "in the hook"))
+        log_line(f"data plane: {plane} (plane = {reduce.plane}){how}")
     if plane == "mpi":
         return MpiDataPlane(world)
-    return TorchDataPlane(world, wire_dtype=rc.wire_dtype, timeout_s=timeout_s, device=device,
-                          overlap=rc.overlap_reduce)
+    return TorchDataPlane(world, wire_dtype=reduce.wire_dtype, timeout_s=timeout_s, device=device,
+                          overlap=reduce.overlap)

@@ -84,8 +84,8 @@ def init_replica_group(replica_world, job_config, step_of: Callable[[], int]) ->
     job_config.comm.train_timeout_seconds = int(timeout)  # TorchTitan resets it after step 1
     group = ReplicaGroup(backend, timeout)
     wiring = replica_world.beats
-    if wiring is not None and rc.detect_timeout_s > 0:
-        group.heartbeat = start_heartbeat(wiring, rc.detect_timeout_s, layout,
+    if wiring is not None and rc.timeouts.detect_s > 0:
+        group.heartbeat = start_heartbeat(wiring, rc.timeouts.detect_s, layout,
                                           job_config.job.dump_folder, step_of)
     return group
 

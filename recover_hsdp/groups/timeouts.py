@@ -30,12 +30,13 @@ from recover_hsdp.collectives.guard import Deadlines
 
 
 def job_deadlines(job_config) -> Deadlines:
-    """The MPI deadlines of a job, derived from ``[recover] hang_timeout_s`` (the ceiling of the
+    """The MPI deadlines of a job, derived from ``[recover.timeouts] hang_s`` (the ceiling of the
     learned hang bound: [Note: a hang bound from progress] in collectives/guard.py)."""
-    rc = job_config.recover
-    hang = rc.hang_timeout_s
+    timeouts = job_config.recover.timeouts
+    hang = timeouts.hang_s
     return Deadlines(call_s=2 * hang + 30, repair_s=3 * hang + 30, hang_timeout_s=hang,
-                     hang_floor_s=rc.hang_floor_s, hang_progress_factor=rc.hang_progress_factor,
+                     hang_floor_s=timeouts.hang_floor_s,
+                     hang_progress_factor=timeouts.hang_progress_factor,
                      retire_grace_s=min(2.0, hang / 4))
 
 
@@ -52,4 +53,4 @@ def group_timeout_s(deadlines: Deadlines, detect_timeout_s: float = 0.0) -> floa
 def replica_group_timeout_s(job_config) -> float:
     """:func:`group_timeout_s` of a job: the timeout of the replica's group and of the per-epoch
     data-plane groups (a last resort: the control plane abandons a blocked call first)."""
-    return group_timeout_s(job_deadlines(job_config), job_config.recover.detect_timeout_s)
+    return group_timeout_s(job_deadlines(job_config), job_config.recover.timeouts.detect_s)

@@ -34,8 +34,8 @@ class DataPlane(Protocol):
 
 
 class MpiDataPlane:
-    """``data_plane = "mpi"``: the world's guarded all-reduce over the shard communicator
-    (``world.allreduce``), GPU buckets through reused host chunks ([Note: no device tensor
+    """``[recover.reduce] plane = "mpi"``: the world's guarded all-reduce over the shard
+    communicator (``world.allreduce``), GPU buckets through reused host chunks ([Note: no device tensor
     reaches MPI] in recovery/staging.py), CPU buckets in place. Blocking: ``start`` sums at
     once and ``wait`` hands its results back.
 

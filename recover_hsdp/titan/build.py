@@ -49,8 +49,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
     the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
     rank's ``faults``. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap);
     ``heartbeat``: the replica group's (``ReplicaGroup.heartbeat``; None: none)."""
-    from recover_hsdp.config import (data_ranks_per_replica, microbatches_per_replica,
-                                     straggler_rule)
+    from recover_hsdp.config import data_ranks_per_replica, microbatches_per_replica
     from recover_hsdp.recovery import BucketSync, local_parameter_checksum
 
     rc, training = job_config.recover, job_config.training
@@ -60,21 +59,20 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
     g = microbatches_per_replica(training.local_batch_size, training.global_batch_size,
                                  placement.replicas * fsdp_degree)
     policy = WorkloadPolicy(initial_replicas=placement.replicas, microbatches_per_replica=g,
-                            keep_spares=rc.keep_spares, data_assignment=rc.data_assignment,
-                            g_raise=rc.g_raise, straggler=straggler_rule(rc))
+                            keep_spares=rc.workload.keep_spares,
+                            data_assignment=rc.workload.data_assignment,
+                            g_raise=rc.workload.g_raise,
+                            straggler=rc.bad_replicas.straggler_rule())
     manager = RecoverManager(
-        world=world, bucket_sync=BucketSync.for_model(model, world, rc.host_snapshots,
+        world=world, bucket_sync=BucketSync.for_model(model, world, rc.reduce.host_snapshots,
                                                       plane=_data_plane(job_config, world, model)),
         policy=policy,
         faults=faults,
         outputs=outputs, out_dir=out_dir,
         tokens_per_microbatch=fsdp_degree * training.local_batch_size * training.seq_len,
         counts_data=placement.shard % tp == 0,
-        consistency_check_interval=rc.consistency_check_interval,
-        parameter_checksum=lambda: local_parameter_checksum(model), procs=procs,
-        respawn_after_steps=rc.respawn_after_steps, emergency_checkpoint=rc.emergency_checkpoint,
-        nonfinite_max_offences=rc.nonfinite_max_offences,
-        nonfinite_window_steps=rc.nonfinite_window_steps)
+        bad_replicas=rc.bad_replicas, tiers=rc.tiers,
+        parameter_checksum=lambda: local_parameter_checksum(model), procs=procs)
     if heartbeat is not None:  # a rank leaving normally says goodbye to its replica peers
         world.on_leave = heartbeat.stand_down
     return manager
@@ -88,7 +86,7 @@ def _data_plane(job_config, world, model):
     from recover_hsdp.groups.data_plane import build_data_plane
     from recover_hsdp.groups.timeouts import replica_group_timeout_s
 
-    rc = job_config.recover
     device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
-    return build_data_plane(rc, world, device=device, timeout_s=replica_group_timeout_s(job_config),
+    return build_data_plane(job_config.recover.reduce, world, device=device,
+                            timeout_s=replica_group_timeout_s(job_config),
                             ranks_per_gpu=int(os.environ.get(RANKS_PER_GPU_ENV, "1") or 1))

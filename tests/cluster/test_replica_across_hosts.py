@@ -27,7 +27,7 @@ from test_node_loss import IN_JOB, _finish, _names, _wait_for_step
 pytestmark = skip_unless_available()
 
 STEPS = 8
-DETECT_S = 4.0  # [recover] detect_timeout_s (default)
+DETECT_S = 4.0  # [recover.timeouts] detect_s (default)
 
 
 @pytest.fixture(scope="module")

@@ -117,12 +117,10 @@ def test_real_sockets_a_frozen_peer_is_lost_a_busy_one_is_not_a_goodbye_ends_cle
 
 
 def test_timers_are_ordered():
-    class Recover:
-        hang_timeout_s, detect_timeout_s = 300.0, 4.0
-        hang_floor_s, hang_progress_factor = 30.0, 40.0
+    from recover_hsdp.config import JobConfig
 
     class Job:
-        recover = Recover()
+        recover = JobConfig().recover  # [recover.timeouts]: 300 s hang, 4 s detect (defaults)
 
     deadlines = job_deadlines(Job())
     timeout = group_timeout_s(deadlines, 4.0)
