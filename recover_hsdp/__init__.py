@@ -7,7 +7,7 @@ contracts in pyproject.toml, tests/package/test_layers.py runs it in CI):
   titan/           TorchTitan glue: RecoverTrainer (a thin Trainer), the recover_llama3
                    TrainSpec, metrics processor, dataloader, CPU shim
   manager/         the step protocol: RecoverManager ([Note: the step protocol]), bootstrap
-  config.py        the ``[recover]`` section and start-up validation
+  config/          the ``[recover]`` section, its sub-sections, aliases, start-up validation
   collectives/     layer 1, fault-tolerant MPI (ULFM): guarded all-reduce, consensus, epoch
   recovery/        layer 2, FSDP2 bucket snapshots tagged by epoch, restore + re-reduce
   workload/        layer 3, roles / quotas / G / boundary steps (plain Python), commit ledger

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import DEBUG_CONFIG
 from recover_hsdp import config
+from recover_hsdp.config import aliases
 from recover_hsdp.cli.launch import read_job_config
 from recover_hsdp.config import (ALIASES, SECTIONS, ConfigError, deprecation_lines, load_toml,
                                  resolve_aliases, validate, warn_deprecated)
@@ -107,7 +108,7 @@ def test_old_command_line_overrides_parse_to_the_new_sections(tmp_path):
 
 
 def test_one_warning_line_per_alias_printed_once_per_process(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(config, "_WARNED", set())
+    monkeypatch.setattr(aliases, "_WARNED", set())
     path = _write(tmp_path / "old.toml", {"detect_timeout_s": 2})
     for _ in range(2):  # a relaunch re-reads the config
         job = read_job_config(path, ["--recover.hang_timeout_s", "9"])
@@ -214,3 +215,28 @@ def test_validate_resolves_aliases_and_checks_across_sections():
     with pytest.raises(ConfigError) as err:
         validate(job)
     assert "recover.reduce.wire_dtype=bf16 with recover.debug.save_final_params" in str(err.value)
+
+
+def test_the_launcher_warns_once_per_alias_and_passes_the_ranks_the_same_arguments(
+        tmp_path, capsys, monkeypatch):
+    """``recover-hsdp train`` with an old flat file and an old override: one line each in the
+    launcher's output; the ranks' command line is the user's, unchanged (each rank parses it to
+    the same sections, quietly)."""
+    from recover_hsdp.cli.arguments import parser
+    from recover_hsdp.cli.launch import build_job
+
+    monkeypatch.setattr(aliases, "_WARNED", set())
+    old = tmp_path / "old.toml"
+    old.write_text(DEBUG_CONFIG.read_text().replace("[recover]\n",
+                                                    "[recover]\ndetect_timeout_s = 2\n"))
+    args = parser().parse_args(["train", "--config", str(old), "--replicas", "2", "--out",
+                                str(tmp_path / "out"), "--", "--recover.hang_timeout_s", "9"])
+    for _ in range(2):  # a relaunch builds the job again
+        command, _, job = build_job(args)
+    assert (job.recover.timeouts.detect_s, job.recover.timeouts.hang_s) == (2, 9)
+    assert command[-2:] == ["--recover.hang_timeout_s", "9"]
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "deprecated" in ln]
+    assert err == ["recover-hsdp: [recover] detect_timeout_s is deprecated: use [recover.timeouts] "
+                   "detect_s (--recover.timeouts.detect_s)",
+                   "recover-hsdp: [recover] hang_timeout_s is deprecated: use [recover.timeouts] "
+                   "hang_s (--recover.timeouts.hang_s)"]

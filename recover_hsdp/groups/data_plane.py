@@ -280,7 +280,7 @@ class TorchDataPlane:
 
 def resolve_data_plane(name: str, device=None, ranks_per_gpu: int = 1) -> str:
     """``[recover.reduce] plane`` for a model on ``device``: ``auto`` is ``torch`` on CUDA with
-    one rank per GPU, ``mpi`` otherwise (config.py says why). NCCL takes one rank per GPU in a
+    one rank per GPU, ``mpi`` otherwise (config/sections.py says why). NCCL takes one rank per GPU in a
     communicator, so ``torch`` on GPUs shared by several ranks is refused (one line)."""
     on_gpu = device is not None and torch.device(device).type == "cuda"
     if name == "auto":

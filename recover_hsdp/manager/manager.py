@@ -83,7 +83,7 @@ class RecoverManager:
         outputs: ``RunMetrics`` of this rank (writes only while this rank is the writer).
         out_dir: the run's output folder (ledger).
         tokens_per_microbatch: label tokens of one microbatch of one replica (D x batch x seq:
-            its FSDP ranks' parts, [Note: replica layout] in config.py).
+            its FSDP ranks' parts, [Note: replica layout] in config/checks.py).
         bad_replicas: the ``[recover.bad_replicas]`` section (config.BadReplicas): the culprits'
             offence limits ([Note: bad replicas]) and ``consistency_check_interval``, every this
             many steps compare parameter checksums across replicas (``parameter_checksum``

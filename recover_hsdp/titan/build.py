@@ -54,7 +54,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
 
     rc, training = job_config.recover, job_config.training
     out_dir = job_config.job.dump_folder
-    tp = job_config.parallelism.tensor_parallel_degree  # [Note: replica layout] (config.py)
+    tp = job_config.parallelism.tensor_parallel_degree  # [Note: replica layout] (config/checks.py)
     fsdp_degree = data_ranks_per_replica(placement.ranks_per_replica, tp)
     g = microbatches_per_replica(training.local_batch_size, training.global_batch_size,
                                  placement.replicas * fsdp_degree)

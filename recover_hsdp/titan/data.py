@@ -10,7 +10,7 @@ TorchTitan's own ``HuggingFaceTokenizer`` loads it.
 once with a fixed seed, so the dataset is map-style: a global microbatch id ``m`` maps to fixed
 tokens, whatever replica computes it. A microbatch is what one replica consumes in one
 forward/backward: ``D * local_batch_size`` sequences, ``local_batch_size`` per FSDP rank d of
-the replica's D (= S ranks / tensor_parallel_degree, [Note: replica layout] in config.py):
+the replica's D (= S ranks / tensor_parallel_degree, [Note: replica layout] in config/checks.py):
 
     sequence(m, FSDP rank d, k) = m * D * lbs + d * lbs + k          (k < lbs)
 

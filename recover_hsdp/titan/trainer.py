@@ -138,7 +138,7 @@ class RecoverTrainer(Trainer):
                                                 lambda: getattr(self, "step", 0))
         if not self._joining:  # the replica's group exists, the model does not yet
             self._faults.at(0, Phase.STARTUP)
-        parallelism = self.job_config.parallelism  # [Note: replica layout] (config.py)
+        parallelism = self.job_config.parallelism  # [Note: replica layout] (config/checks.py)
         tp = parallelism.tensor_parallel_degree
         fsdp = layout.ranks_per_replica // tp
         parallelism.data_parallel_replicate_degree = 1

@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 
 @dataclass(frozen=True)
 class StragglerRule:
-    """The ``[recover.bad_replicas]`` straggler thresholds (config.py documents each field).
+    """The ``[recover.bad_replicas]`` straggler thresholds (config/sections.py documents each field).
     ``slow_ratio`` 0: off."""
 
     slow_ratio: float = 0.0

@@ -1,4 +1,4 @@
-"""A replica of FSDP x TP ranks ([Note: replica layout] in recover_hsdp/config.py).
+"""A replica of FSDP x TP ranks ([Note: replica layout] in recover_hsdp/config/checks.py).
 
 - Equivalence: 2 replicas x (FSDP 1 x TP 2) and 2 x (FSDP 2 x TP 2) against stock TorchTitan
   HSDP + TP with the same config (G = 2): per-step loss within 1e-4, final parameters allclose.
