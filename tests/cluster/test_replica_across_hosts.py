@@ -110,7 +110,7 @@ def test_cut_link_of_a_node_holding_half_a_replica(tmp_path, failure_free_2x2):
     _check(*_run_and_lose_node_2(tmp_path, "link_down", 31), failure_free_2x2)
 
 
-@pytest.mark.slow  # default suite time: the cut link runs the same path
+@pytest.mark.soak  # the cut link (default suite) runs the same path
 def test_frozen_rank_holding_half_a_replica(tmp_path, failure_free_2x2):
     """Rank 3 on node 2 SIGSTOPped from outside after step 3 and left frozen (nobody on its
     host ends it): only a real frozen process shows that its sockets stay open and that its

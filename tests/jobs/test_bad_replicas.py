@@ -88,7 +88,7 @@ def failure_free_2x2(tmp_path_factory, local_corpus):
     return steps
 
 
-@pytest.mark.slow  # the 4 x 1 cases above + the 2 x 2 protocol in process
+@pytest.mark.soak  # the 4 x 1 cases above + the 2 x 2 protocol in process
 def test_nan_in_one_rank_of_a_2x2_replica(tmp_path, failure_free_2x2):
     """2 x 2, NaN in shard rank 1's bucket of replica 1 at step 3: the whole replica contributes
     zero, replica 0 computes its microbatch, B = 2, loss == the 2 x 2 failure-free run's.

@@ -75,7 +75,7 @@ def test_global_rank_0_killed_outputs_move_to_lowest_survivor(tmp_path, local_co
     assert read_jsonl(tmp_path / "events.jsonl")[0]["dead_replicas"] == [0]
 
 
-@pytest.mark.slow  # default suite time: the watchdog is proven by test_collectives_faults[*-hang]
+@pytest.mark.soak  # the watchdog is proven by test_collectives_faults[*-hang] and the stuck main thread
 def test_hang_is_detected_within_bound_and_training_continues(tmp_path, local_corpus):
     """Real process: the hang watchdog's own thread kills a process whose main thread is stuck."""
     hang_timeout = 5
@@ -106,7 +106,7 @@ def test_paper_like_failure_schedule(tmp_path, local_corpus):
         [s.replica] for s in expected]
 
 
-@pytest.mark.slow  # default suite: test_recovery_oracle::test_promoted_spare (gradients)
+@pytest.mark.soak  # test_recovery_oracle::test_promoted_spare (gradients, slow) covers it
 def test_spare_promoted_when_its_shadowed_replica_dies(tmp_path, failure_free):
     """After replica 1 dies, G = 2: replicas 0 and 2 are majors and 3 is a spare shadowing
     replica 0's ids (exact mode). When replica 0 (global rank 0) dies at step 6, the spare is

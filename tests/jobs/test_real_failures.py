@@ -68,7 +68,7 @@ def _check_2x2(out, steps, wall, alive: list[int]):
 
 @pytest.mark.slow  # default suite time: test_frozen_rank_of_a_2x2_replica covers it (and
 # tests/groups/test_data_plane.py the torch plane's abandoned call)
-@pytest.mark.parametrize("data_plane", ["mpi", "torch"])
+@pytest.mark.parametrize("data_plane", ["mpi", pytest.param("torch", marks=pytest.mark.soak)])
 def test_frozen_rank_is_declared_dead_and_nothing_is_left_behind(tmp_path, failure_free,
                                                                  data_plane):
     """Replica 2 SIGSTOPs itself (all threads frozen, sockets open: a hung node) in step 3's
@@ -103,7 +103,7 @@ def test_error_inside_a_replica_makes_only_that_replica_leave(tmp_path, failure_
 
 
 # torch: slow (default suite time: the 4 x 1 SIGKILL run in test_end_to_end is on both planes)
-@pytest.mark.parametrize("data_plane", ["mpi", pytest.param("torch", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("data_plane", ["mpi", pytest.param("torch", marks=pytest.mark.soak)])
 def test_error_in_one_rank_of_a_2x2_replica_takes_the_replica_out(tmp_path, data_plane):
     """2 x 2: rank 1 of replica 1 raises in backward; it leaves, its peer's intra-replica
     collective fails at once, and the replica leaves as a unit; replica 0 is untouched.
@@ -155,7 +155,7 @@ def test_death_of_one_rank_of_a_2x2_replica_at_start_up(tmp_path):
     assert _check_2x2(tmp_path, steps, wall, [1, 1, 1, 1])["step"] == 1
 
 
-@pytest.mark.slow  # default suite time: test_manager proves the writer hand-over
+@pytest.mark.soak  # test_manager proves the writer hand-over; the 4 x 1 case is slow
 def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
     """2 x 2: the writer (rank 0 = shard 0 of replica 0) is SIGKILLed after the last commit;
     its replica peer leaves with it (a replica dies as a unit) and replica 1's first rank writes
@@ -260,7 +260,7 @@ def test_a_long_step_is_not_a_death(tmp_path):
 # mpi: slow (default suite time: a frozen peer is the control plane's to find, the same code on
 # both planes: test_collectives_faults[*-hang] and the stuck main thread above run it on MPI;
 # torch adds the abandoned blocked gloo call, in the default suite here)
-@pytest.mark.parametrize("data_plane", [pytest.param("mpi", marks=pytest.mark.slow), "torch"])
+@pytest.mark.parametrize("data_plane", [pytest.param("mpi", marks=pytest.mark.soak), "torch"])
 def test_frozen_rank_of_a_2x2_replica(tmp_path, data_plane):
     """2 x 2: rank 1 of replica 1 SIGSTOPs itself. Its replica peer is blocked in gloo with it
     (a frozen process keeps its sockets): the survivor that the detector tells ends the frozen

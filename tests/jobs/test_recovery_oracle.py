@@ -55,7 +55,8 @@ def _check_step_against_oracle(out, step, ranks, expected_dead, global_batch, ov
 
 @pytest.mark.slow  # default suite time: the 2 x 2 oracle case below + test_manager
 @pytest.mark.parametrize("k_first,k_second", [(0, N_BUCKETS),
-                                              pytest.param(1, N_BUCKETS - 1)])
+                                              pytest.param(1, N_BUCKETS - 1,
+                                                           marks=pytest.mark.soak)])
 def test_kill_after_k_buckets_4x1(tmp_path, local_corpus, k_first, k_second):
     """4 x 1: replica 2 (a major) dies at step 2 after k_first buckets; replica 1 (a major of
     the 3 survivors: G = 2, replica 3 is the spare) at step 3 after k_second; both failure
@@ -76,7 +77,7 @@ def test_kill_after_k_buckets_4x1(tmp_path, local_corpus, k_first, k_second):
 
 
 @pytest.mark.slow  # default suite time: the promotion is proven in-process
-@pytest.mark.parametrize("mode", ["exact", "stream"])
+@pytest.mark.parametrize("mode", ["exact", pytest.param("stream", marks=pytest.mark.soak)])
 def test_promoted_spare(tmp_path, local_corpus, mode):
     """After replica 2 dies, replica 3 is the spare (exact: it shadows replica 0's ids;
     stream: it computes its next positions without drawing them). Replica 0 dies at step 3:
@@ -116,7 +117,7 @@ def test_kill_one_rank_of_a_2x2_replica(tmp_path, local_corpus, k, data_plane):
 
 
 @pytest.mark.slow  # default suite time: proven in-process in both modes
-@pytest.mark.parametrize("data_plane", ["mpi", "torch"])
+@pytest.mark.parametrize("data_plane", ["mpi", pytest.param("torch", marks=pytest.mark.soak)])
 def test_second_death_during_rereduce(tmp_path, local_corpus, data_plane):
     """Real process: (slow: test_manager::test_second_death_during_rereduce proves it in
     both modes) a real death inside the re-reduce."""

@@ -82,7 +82,7 @@ def _assert_rejoined(steps, joins, summary, replicas, lost):
 
 @pytest.mark.slow  # default suite time: test_node_loss::test_replacement_joins_on_a_standby_host
 # joins for real, test_rejoin_protocol proves the protocol
-@pytest.mark.parametrize("data_plane", ["mpi", "torch"])
+@pytest.mark.parametrize("data_plane", ["mpi", pytest.param("torch", marks=pytest.mark.soak)])
 def test_respawn_4x1(tmp_path, reference, data_plane):
     """Real process: MPI_Comm_spawn through PRRTE and the transfer of TorchTitan's real state."""
     out = tmp_path / "run"
@@ -98,7 +98,7 @@ def test_respawn_4x1(tmp_path, reference, data_plane):
 
 
 @pytest.mark.slow  # default suite time: tests/manager/test_rejoin_protocol.py kills both in-process
-@pytest.mark.parametrize("victim", ["newcomer", "donor"])
+@pytest.mark.parametrize("victim", [pytest.param("newcomer", marks=pytest.mark.soak), "donor"])
 def test_death_during_the_transfer(tmp_path, reference, victim):
     """SIGKILL mid-transfer of the join started before step 5: the newcomer (replica 1's
     replacement) or the donor (replica 2: the lowest alive replica that is not the spawner's).
