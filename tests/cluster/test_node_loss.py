@@ -88,9 +88,9 @@ def _node_of(out, replica: int) -> int:
 
 @pytest.mark.parametrize("fault, nodes", [
     pytest.param("link_down", 3, marks=pytest.mark.slow),  # test_replica_across_hosts cuts one
-    pytest.param("frozen_rank", 3, marks=pytest.mark.slow),
+    pytest.param("frozen_rank", 3, marks=pytest.mark.soak),  # the cut link runs in CI
     # default suite time: test_real_failures' frozen 2 x 2 rank; across hosts: the cut link
-    pytest.param("frozen_rank", 4, marks=pytest.mark.soak),  # the 3-node cases run in CI
+    pytest.param("frozen_rank", 4, marks=pytest.mark.soak),
     pytest.param("link_down", 4, marks=pytest.mark.soak)])  # default suite time; 10/10 measured
 def test_lost_node_the_others_finish(tmp_path, fault, nodes):
     """Real process: a rank frozen / a link cut across network-namespace hosts: the detector and

@@ -103,6 +103,7 @@ def _check(out, rc, text, left, reference):
     return stall
 
 
+@pytest.mark.slow  # default suite time (CI runs it): the frozen 2 x 2 rank leaves as a unit there
 def test_cut_link_of_a_node_holding_half_a_replica(tmp_path, failure_free_2x2):
     """Node 2's link cut after step 3 (no RST): only real processes on separate network stacks
     show that rank 2, blocked in gloo on a peer that never answers, leaves through its heartbeat

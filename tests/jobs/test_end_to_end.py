@@ -59,7 +59,7 @@ def test_exact_mode_two_deaths_stays_on_failure_free_trajectory(tmp_path, failur
     assert summary["alive_replicas"] == 2
 
 
-@pytest.mark.slow  # default suite time: the writer hand-over is proven in-process
+@pytest.mark.soak  # the writer hand-over is proven in-process and by the writer deaths (slow)
 def test_global_rank_0_killed_outputs_move_to_lowest_survivor(tmp_path, local_corpus):
     """Rank 0 dies after step 3 was agreed but before it wrote step 3's records: the new
     writer writes them (from its own copy) and everything after.

@@ -68,7 +68,8 @@ def _check_2x2(out, steps, wall, alive: list[int]):
 
 @pytest.mark.slow  # default suite time: test_frozen_rank_of_a_2x2_replica covers it (and
 # tests/groups/test_data_plane.py the torch plane's abandoned call)
-@pytest.mark.parametrize("data_plane", ["mpi", pytest.param("torch", marks=pytest.mark.soak)])
+@pytest.mark.parametrize("data_plane", [pytest.param("mpi", marks=pytest.mark.soak),
+                                        pytest.param("torch", marks=pytest.mark.soak)])
 def test_frozen_rank_is_declared_dead_and_nothing_is_left_behind(tmp_path, failure_free,
                                                                  data_plane):
     """Replica 2 SIGSTOPs itself (all threads frozen, sockets open: a hung node) in step 3's
@@ -145,6 +146,7 @@ def test_death_while_the_model_is_built_is_survived(tmp_path, failure_free):
     assert event["dead_replicas"] == [2] and event["step"] == 1, event
 
 
+@pytest.mark.slow  # default suite time (CI runs it): tests/manager proves the start-up death
 def test_death_of_one_rank_of_a_2x2_replica_at_start_up(tmp_path):
     """2 x 2: rank 1 of replica 1 SIGKILLed at start-up (phase ``startup``): its replica peer's
     first collective fails, the replica leaves as a unit at step 1, replica 0 goes on.

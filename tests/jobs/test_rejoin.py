@@ -82,7 +82,8 @@ def _assert_rejoined(steps, joins, summary, replicas, lost):
 
 @pytest.mark.slow  # default suite time: test_node_loss::test_replacement_joins_on_a_standby_host
 # joins for real, test_rejoin_protocol proves the protocol
-@pytest.mark.parametrize("data_plane", ["mpi", pytest.param("torch", marks=pytest.mark.soak)])
+@pytest.mark.parametrize("data_plane", [pytest.param("mpi", marks=pytest.mark.soak),
+                                        pytest.param("torch", marks=pytest.mark.soak)])
 def test_respawn_4x1(tmp_path, reference, data_plane):
     """Real process: MPI_Comm_spawn through PRRTE and the transfer of TorchTitan's real state."""
     out = tmp_path / "run"

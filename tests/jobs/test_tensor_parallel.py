@@ -64,7 +64,8 @@ def test_fsdp_x_tp_replicas_match_stock_hsdp_tp(tmp_path, local_corpus, fsdp):
 # default suite time: without the failure-free twin run (the gradient oracle checks the
 # recovered step); slow: the whole trajectory against the failure-free run as well
 @pytest.mark.parametrize("against_failure_free", [
-    False, pytest.param(True, marks=pytest.mark.soak)])
+    pytest.param(False, marks=pytest.mark.slow),  # default suite time (CI runs it)
+    pytest.param(True, marks=pytest.mark.soak)])
 def test_tp_rank_killed_mid_sync_replica_leaves_as_a_unit(tmp_path, local_corpus,
                                                          against_failure_free):
     """Real process: a TP rank SIGKILLed mid-sync; its TP peer's collective fails; the replica

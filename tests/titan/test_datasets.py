@@ -57,6 +57,7 @@ def _committed_per_step(out, shards):
 KILLS = ["replica=1,step=2,phase=grad_sync", "replica=2,step=4,phase=backward"]
 
 
+@pytest.mark.slow  # default suite time (CI runs it): tests/titan/test_sources proves the streams
 def test_stream_c4_4x1_kills_then_restart_on_3_continues_the_streams(tmp_path, c4):
     """Real process: streaming `datasets` readers in real ranks, their DCP loader state, a real
     restart."""
@@ -116,7 +117,7 @@ def _audit_exact(out, c4, shards, b):
         assert set(ids.values()) == {shards}                   # every rank of one replica
 
 
-@pytest.mark.slow  # default suite time: exact mode through deaths: test_end_to_end
+@pytest.mark.soak  # exact mode through deaths: test_end_to_end
 def test_exact_c4_map_style_4x1_two_replicas_killed(tmp_path, c4):
     """Real process: a map-style `datasets` dataset read by real ranks through two real deaths."""
     steps, events = _train(tmp_path, c4, "c4_test", "exact", 4, 1, 5, KILLS)
