@@ -180,7 +180,7 @@ def test_writer_of_a_2x2_replica_dies_while_writing_the_run_outputs(tmp_path):
     assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []
 
 
-@pytest.mark.slow  # default suite time: the launcher's clean-up is one function
+@pytest.mark.soak  # CI time: the launcher's clean-up is one function (outputs.start_afresh)
 def test_a_second_run_into_the_same_folder_starts_afresh(tmp_path):
     """Outputs are never mixed: the earlier run's ledger, faults and metrics are removed.
     Real process: the launcher's clean-up of a real output folder."""

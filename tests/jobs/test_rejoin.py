@@ -99,7 +99,8 @@ def test_respawn_4x1(tmp_path, reference, data_plane):
 
 
 @pytest.mark.slow  # default suite time: tests/manager/test_rejoin_protocol.py kills both in-process
-@pytest.mark.parametrize("victim", [pytest.param("newcomer", marks=pytest.mark.soak), "donor"])
+@pytest.mark.parametrize("victim", [pytest.param("newcomer", marks=pytest.mark.soak),  # CI time:
+                                    pytest.param("donor", marks=pytest.mark.soak)])  # in process
 def test_death_during_the_transfer(tmp_path, reference, victim):
     """SIGKILL mid-transfer of the join started before step 5: the newcomer (replica 1's
     replacement) or the donor (replica 2: the lowest alive replica that is not the spawner's).
@@ -157,7 +158,7 @@ def test_survivor_death_while_the_newcomer_starts(tmp_path, reference):
           f"{[j['step'] for j in later]}; alive at the end {steps[-1]['alive_replicas']}")
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # CI time: the default suite's standby-host join runs `recover-hsdp join`
 def test_join_command_2x2(tmp_path, reference):
     """A replica of 2 ranks comes back on ``recover-hsdp join --out DIR`` (no respawn).
     Real process: the `recover-hsdp join` command against a running job."""
