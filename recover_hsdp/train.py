@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from recover_hsdp.config import ConfigError, load_toml
+from recover_hsdp.errors import ConfigError  # standard library only: nothing before MPI_Init
 
 
 def _config_file(argv: list[str]) -> str | None:
@@ -84,14 +84,18 @@ def main(argv: list[str] | None = None) -> None:
         torch_env_from_mpirun()
     elif mpirun:  # launched by mpirun: one rank per device
         os.environ.setdefault("LOCAL_RANK", os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
-        # MPI_Init first, before the seconds of torch imports: the heartbeat detector
-        # (recover.timeouts.detect_s) then runs on every rank from the start, and start-up skew
-        # between ranks stays small.
-        import recover_hsdp.collectives.world  # noqa: F401
+        # MPI_Init first, before any heavy import (numpy, torch): the heartbeat detector
+        # (recover.timeouts.detect_s) then runs on every rank from the start, and the ranks
+        # reach MPI_Init close together: Open MPI's detector thread starts early in MPI_Init and
+        # a rank waiting there for a late peer misses its beats ([Note: detection margins by
+        # phase] in groups/heartbeat.py).
+        import recover_hsdp.collectives.mpi  # noqa: F401
         _start_record(argv)
     try:
         config_file = _config_file(argv)
         if config_file is not None:
+            from recover_hsdp.config import load_toml  # tyro: after MPI_Init
+
             load_toml(config_file)
         from recover_hsdp.titan import cpu_runtime, model_spec
 

@@ -114,6 +114,7 @@ class Job:
     batch: int                    # B (kept when a relaunch from scratch changes R)
     checkpoints: Path | None      # the DCP folder
     max_relaunches: int
+    margins: tuple[float, float] = (4.0, 30.0)  # the first attempt's detect_s, slow_phase_s
 
 
 def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dict) -> int:
@@ -167,7 +168,8 @@ def prepare_job(args: argparse.Namespace, build_job, supervise, env: dict
                else config.training.local_batch_size * args.replicas * fsdp),
         checkpoints=(Path(config.job.dump_folder) / config.checkpoint.folder
                      if config.checkpoint.enable else None),
-        max_relaunches=rc.tiers.max_relaunches)
+        max_relaunches=rc.tiers.max_relaunches,
+        margins=(rc.timeouts.detect_s, rc.timeouts.slow_phase_s))
     _fresh_outputs(out)
     return job, command
 
@@ -210,24 +212,27 @@ def _judge(job: Job, records: list[relaunch.RelaunchRecord], request: RelaunchRe
     # who answers, as whom (asked already if the job was ended on the writer's request)
     aliases = request.answers or remote.host_names(job.agent, [e.name for e in entries])
     attempt = len(records)
+    progressed = bool(_read_jsonl(out / "metrics.jsonl"))
     evidence = relaunch.Evidence(
         log_text=log_text, procs=[p.__dict__ for p in read_registry(out)],
         start_records=read_start_records(out), events=_read_jsonl(out / "events.jsonl"),
         unanswered={h for h, n in aliases.items() if n is None},
         aliases={h: n for h, n in aliases.items() if n}, launcher_host=socket.gethostname(),
-        ranks_per_replica=job.ranks_per_replica)
+        ranks_per_replica=job.ranks_per_replica,
+        false_detections=relaunch.false_detections(log_text, progressed))
     lost_before = records[-1].lost_hosts if records else {}
     new = relaunch.lost_hosts([e.name for e in entries if e.name not in lost_before], evidence)
     lost = {**lost_before, **new}
     _end_old_job(job.agent, evidence, entries, out)
     last_step = max((s["step"] for s in _read_jsonl(out / "metrics.jsonl")),
                     default=(records[-1].resume_step if records else 0))
-    hopeless = relaunch.ends_the_same_way(evidence.start_records,
-                                          bool(_read_jsonl(out / "metrics.jsonl")), len(new))
+    hopeless = relaunch.ends_the_same_way(evidence.start_records, progressed, len(new))
     plan = relaunch.plan_relaunch(entries, lost, job.ranks_per_replica,
                                   job.args.replicas, job.per_host,
                                   relaunch.newest_complete_checkpoint(job.checkpoints),
-                                  len(records), job.max_relaunches, hopeless)
+                                  _counted(records, evidence.false_detections,
+                                           job.max_relaunches),
+                                  job.max_relaunches, hopeless)
     _keep_attempt(out, attempt, log_text)
     if isinstance(plan, str):
         return AttemptResult(Verdict.GIVE_UP, returncode, reason=plan)
@@ -240,11 +245,45 @@ def _judge(job: Job, records: list[relaunch.RelaunchRecord], request: RelaunchRe
         steps_lost=max(0, last_step - plan.resume_step),
         failure_at=relaunch.failure_time(evidence.events, ended_at, set(lost)),
         ended_at=ended_at, relaunched_at=time.time())
-    return _next_attempt(job, plan, record, returncode)
+    return _next_attempt(job, plan, record, returncode, _margins(job, records, record,
+                                                                 evidence.false_detections))
+
+
+MAX_WIDENINGS = 3  # relaunches for false detections that do not count against max_relaunches
+
+
+def _counted(records: list[relaunch.RelaunchRecord], found: int, max_relaunches: int) -> int:
+    """The relaunches so far that count against ``max_relaunches``: the first
+    :data:`MAX_WIDENINGS` for false detections at start-up do not, and neither does this one if
+    it is such a relaunch (``found``); with the tier off (0) nothing is free."""
+    free = min(sum(r.false_detection for r in records), MAX_WIDENINGS)
+    done = len(records) - free
+    if max_relaunches and found and free < MAX_WIDENINGS:
+        return min(done, max_relaunches - 1)
+    return done
+
+
+def _margins(job: Job, records: list[relaunch.RelaunchRecord], record: relaunch.RelaunchRecord,
+             found: int) -> list[str]:
+    """The detection margins of the next attempt: the last relaunch's (or the job's), doubled
+    after false detections at start-up (the line printed, the record updated)."""
+    last = next((r for r in reversed(records) if r.detect_s is not None), None)
+    detect_s, slow_s = (last.detect_s, last.slow_phase_s) if last else job.margins
+    overrides, line = relaunch.wider_margins(detect_s, slow_s, found)
+    if line:
+        print(line, flush=True)
+        record.detect_s, record.slow_phase_s = float(overrides[1]), float(overrides[3])
+        record.false_detection = True
+        return overrides
+    if last:  # keep the wider margins of an earlier relaunch
+        record.detect_s, record.slow_phase_s = detect_s, slow_s
+        return ["--recover.timeouts.detect_s", f"{detect_s:g}",
+                "--recover.timeouts.slow_phase_s", f"{slow_s:g}"]
+    return []
 
 
 def _next_attempt(job: Job, plan: relaunch.Plan, record: relaunch.RelaunchRecord,
-                  returncode: int) -> AttemptResult:
+                  returncode: int, margins: list[str] = ()) -> AttemptResult:
     """The relaunch's arguments and command (the plan's hosts, replicas and resume step)."""
     args = job.args
     current = copy.copy(args)
@@ -257,6 +296,7 @@ def _next_attempt(job: Job, plan: relaunch.Plan, record: relaunch.RelaunchRecord
         current.overrides += ["--checkpoint.load_step", str(plan.resume_step)]
     elif plan.replicas != args.replicas:
         current.overrides += ["--training.global_batch_size", str(job.batch)]  # B unchanged
+    current.overrides += list(margins)
     try:
         command, _, _ = job.build_job(current)
     except ConfigError as err:

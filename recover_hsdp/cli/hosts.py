@@ -56,7 +56,17 @@ def _remote(agent: list[str], host: str, command: str, timeout: float) -> str | 
 
 def host_names(agent: list[str], hosts: list[str],
                timeout: float = PROBE_TIMEOUT_S) -> dict[str, str | None]:
-    """hostfile name -> the host name it reports (``hostname``), None when it did not answer."""
+    """hostfile name -> the host name it reports (``hostname``), None when it did not answer
+    twice: a host that misses the first probe is asked again with twice the time (a loaded host
+    is slow to start a process, and a host wrongly called lost costs a relaunch)."""
+    answers = _ask(agent, hosts, timeout)
+    silent = [h for h, name in answers.items() if name is None]
+    if silent:
+        answers.update(_ask(agent, silent, 2 * timeout))
+    return answers
+
+
+def _ask(agent: list[str], hosts: list[str], timeout: float) -> dict[str, str | None]:
     if not hosts:
         return {}
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:

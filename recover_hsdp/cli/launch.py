@@ -161,7 +161,9 @@ def _launcher(args: argparse.Namespace, job, ranks: int) -> list[str]:
         torchrun = _tool("torchrun") or "torchrun"
         return [torchrun, "--standalone", "--nproc_per_node", str(ranks)]
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **OFFLINE}
-    extra = [] if args.stock else [*heartbeat_detector_args(job.recover.timeouts.detect_s),
+    timeouts = job.recover.timeouts
+    preconnect = ranks <= timeouts.preconnect_max_ranks
+    extra = [] if args.stock else [*heartbeat_detector_args(timeouts.detect_s, preconnect),
                                    *daemon_keepalive_args(job.recover.tiers.daemon_keepalive_s)]
     if gpus:
         env[GPUS_PER_NODE_ENV] = str(gpus)

@@ -19,6 +19,11 @@ rendezvous) ends it too. Those endings are "abnormal": mpirun returned and no su
    fit (at most the original R), from the newest COMPLETE checkpoint (a ``step-N`` folder with
    its ``.metadata``: :func:`newest_complete_checkpoint`); B is the checkpoint's (the policy
    state is in it; G rises), and the data streams go on from the checkpoint's loader state;
+   An attempt that ended before its first step because a live rank was declared dead (Open MPI
+   aborts a rank "reported dead by someone else": :func:`false_detections`) lost no host
+   through it: its hosts stay, and the next attempt gets twice the detection margin
+   (``detect_s`` and ``slow_phase_s``: :func:`wider_margins`, one line says so; [Note:
+   detection margins by phase] in groups/heartbeat.py);
 4. at most ``recover.tiers.max_relaunches`` times; every relaunch is a record in events.jsonl
    (``phase: relaunch``) and in summary.json (``relaunches``): cause, lost hosts, steps lost,
    seconds from the failure to training again. The outputs of an attempt are kept in
@@ -83,6 +88,7 @@ class Evidence:
     aliases: dict[str, str] = field(default_factory=dict)
     launcher_host: str = ""
     ranks_per_replica: int = 1
+    false_detections: int = 0     # live ranks declared dead (:func:`false_detections`)
 
 
 def lost_hosts(hosts: list[str], ev: Evidence) -> dict[str, str]:
@@ -101,6 +107,8 @@ def lost_hosts(hosts: list[str], ev: Evidence) -> dict[str, str]:
         mark(host, "did not answer the launcher's probe")
     for reported in sorted(daemon_hosts(ev.log_text)):
         mark(reported, "PRRTE lost its daemon")
+    if ev.false_detections:  # the deaths were the detector's mistakes, not the hosts'
+        return lost
     if ev.procs:
         dead = {r for e in ev.events for r in e.get("dead_replicas") or []}
         by_host: dict[str, set[int]] = {}
@@ -114,6 +122,29 @@ def lost_hosts(hosts: list[str], ev: Evidence) -> dict[str, str]:
             if "exited" not in record:
                 mark(record["host"], f"rank {rank} died during start-up")
     return lost
+
+
+_FALSE_DETECTION = "I have been reported dead by someone else"  # Open MPI, then it aborts
+
+
+def false_detections(log_text: str, progressed: bool) -> int:
+    """Live ranks Open MPI aborted because a detector declared them dead, in an attempt that
+    ended before its first step (``progressed`` False); 0 once a step was committed (the
+    in-job tier then treated them as ordinary deaths)."""
+    return 0 if progressed else log_text.count(_FALSE_DETECTION)
+
+
+def wider_margins(detect_s: float, slow_phase_s: float, found: int) -> tuple[list[str], str]:
+    """The next attempt's overrides after ``found`` false detections at start-up: both margins
+    doubled, and the one line the launcher prints."""
+    if not found or detect_s <= 0:
+        return [], ""
+    wider = (2 * detect_s, 2 * max(slow_phase_s, detect_s))
+    return (["--recover.timeouts.detect_s", f"{wider[0]:g}",
+             "--recover.timeouts.slow_phase_s", f"{wider[1]:g}"],
+            f"recover-hsdp: {found} live rank(s) were declared dead before the first step (a "
+            f"detection, not a lost host): the relaunch widens recover.timeouts.detect_s "
+            f"{detect_s:g} -> {wider[0]:g} s and slow_phase_s {slow_phase_s:g} -> {wider[1]:g} s")
 
 
 def ends_the_same_way(start_records: dict[int, dict], progressed: bool,
@@ -195,6 +226,9 @@ class RelaunchRecord:
     failure_at: float             # wall clock: first sign of the failure (detection or end)
     ended_at: float               # mpirun of the ended attempt returned
     relaunched_at: float          # the new mpirun started
+    detect_s: float | None = None  # the new attempt's wider margin (:func:`wider_margins`)
+    slow_phase_s: float | None = None
+    false_detection: bool = False  # relaunched for false detections at start-up (its hosts kept)
     training_again_at: float | None = None  # the new attempt committed its first step
     failure_to_training_s: float | None = None
 

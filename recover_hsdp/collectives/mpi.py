@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import mpi4py
-import numpy as np
 
 if "mpi4py.MPI" not in sys.modules:
     # [Note: serialized, no finalize] On this stack both btl/tcp self-deadlocks after a death need
@@ -19,7 +18,11 @@ if "mpi4py.MPI" not in sys.modules:
     # one MPI thread, and processes exit without MPI_Finalize (mpirun still returns 0).
     mpi4py.rc.thread_level = "serialized"
     mpi4py.rc.finalize = False
+# MPI_Init here, before numpy (1.4 s of CPU per rank): the ranks of a loaded host then reach it
+# close together ([Note: detection margins by phase] in groups/heartbeat.py).
 from mpi4py import MPI  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 __all__ = ["MPI", "buffer_type", "errname", "finalize_disabled"]
 

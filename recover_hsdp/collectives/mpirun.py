@@ -103,7 +103,7 @@ def check_transport(transport: str, mpirun: str | None = None, find_library=None
                          "\"tcp\"")
 
 
-def heartbeat_detector_args(timeout_s: float = 4.0) -> list[str]:
+def heartbeat_detector_args(timeout_s: float = 4.0, preconnect: bool = True) -> list[str]:
     """MCA flags of Open MPI's heartbeat failure detector, on its own thread
     (``recover.timeouts.detect_s``).
 
@@ -123,13 +123,18 @@ def heartbeat_detector_args(timeout_s: float = 4.0) -> list[str]:
     until its deadline, and the job lost it too (4 namespace nodes; docs/ULFM_NOTES.md). With
     ``mpi_ft_propagator_with_rbcast`` the observer also broadcasts the notice over the BTL to every
     rank (the same reliable broadcast as a revoke); the blocked send then completes in error at once.
+
+    ``preconnect`` (``recover.timeouts.preconnect_max_ranks``): every connection is opened inside MPI_Init,
+    so the detector thread never waits on a TCP handshake ([Note: detection margins by phase]
+    in groups/heartbeat.py).
     """
     if timeout_s <= 0:
         return []
     return ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
             "--mca", "mpi_ft_detector_period", f"{timeout_s / 4:g}",
             "--mca", "mpi_ft_detector_timeout", f"{timeout_s:g}",
-            "--mca", "mpi_ft_propagator_with_rbcast", "true"]
+            "--mca", "mpi_ft_propagator_with_rbcast", "true",
+            *(["--mca", "mpi_preconnect_mpi", "true"] if preconnect else [])]
 
 
 def daemon_keepalive_args(seconds: float) -> list[str]:

@@ -2,9 +2,11 @@
 
 ``FaultTolerantWorld.consensus`` calls :func:`repair` once every survivor agreed the epoch was not
 clean. Invariant: every survivor commits the same membership. It is read from the shrunk
-communicator (identical at every survivor; ``Get_failed`` is not), the arbiter's answer
-([Note: split brain] in ``arbiter.py``) is broadcast from the shrunk communicator's first rank,
-and a round commits only after a uniform agreement that every survivor built its communicators.
+communicator (identical at every survivor; ``Get_failed`` is not); the arbiter's answer
+([Note: split brain] in ``arbiter.py``) is the shrunk communicator's first rank's, spread by an
+agreement (every other rank contributes "yes"; a bcast here crashed ranks when a falsely accused
+rank was aborted mid-repair: [Note: detection margins by phase] in groups/heartbeat.py); and a
+round commits only after a uniform agreement that every survivor built its communicators.
 A failure inside a round starts another one on the last shrunk communicator, at most
 ``Deadlines.max_repair_rounds``; past the bound this rank dies, it never hangs.
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+
+import numpy as np
 
 from recover_hsdp.collectives.arbiter import SplitBrainArbiter
 from recover_hsdp.collectives.guard import die, log_line
@@ -70,10 +74,13 @@ def _rebuild(world, shrunk: MPI.Comm, members: set[int], complete: tuple[int, ..
     new_global = new_shard = None
     try:
         # Whether this side holds the arbiter's claim ([Note: split brain]; its first rank
-        # made it): one small broadcast.
-        claim = _claim(world, members, old_alive) if shrunk.Get_rank() == 0 else None
-        with world._guard.call("bcast(claim)", world.deadlines.repair_s):
-            claim = shrunk.bcast(claim, root=0)
+        # made it): the AND of its answer and everyone else's "yes", fault tolerant (an error
+        # here is uniform: the round starts again).
+        claim = _claim(world, members, old_alive) if shrunk.Get_rank() == 0 else True
+        flag = np.array([1 if claim else 0], dtype=np.int32)
+        with world._guard.call("Agree(claim)", world.deadlines.repair_s):
+            shrunk.Iagree(flag).Wait()
+        claim = bool(flag[0] & 1)
         if not claim:
             log_line(f"rank {world.world_rank}: another side of a partition holds the claim "
                      f"for epoch {world.epoch}: this side ({sorted(members)}) stops")

@@ -83,6 +83,22 @@ class Timeouts:
     deaths that close their sockets are seen, and the hang watchdog). Launch-time setting
     (mpirun flags)."""
 
+    slow_phase_s: float = 30.0
+    """The replica heartbeat's silence bound while a rank is in a phase allowed to be slow (its
+    start-up until the first committed step, a checkpoint save or load, a rejoin's transfer):
+    [Note: detection margins by phase] in groups/heartbeat.py. ``detect_s`` applies once the rank
+    is in steady state. A dead process is still found at once (its sockets close) and a silent
+    host by Open MPI's detector at ``detect_s``; only a frozen peer on the same host during such
+    a phase waits this long. Default 30 s: above the longest beat gap measured at a loaded
+    start-up (docs/failures.md), far below ``hang_s``."""
+
+    preconnect_max_ranks: int = 512
+    """Jobs of at most this many ranks open every MPI connection inside MPI_Init
+    (``mpi_preconnect_mpi``; 0: never): lazily, the detector thread's first heartbeat to a rank on
+    another host waited on the TCP handshake and missed its deadline (a false "suspected dead" at
+    start-up: [Note: detection margins by phase]). Costs a socket per other rank per rank and
+    O(ranks) rounds in MPI_Init, hence the bound. Launch-time setting."""
+
     hang_s: float = 300.0
     """A rank whose main thread shows no progress for this long kills itself, so that a hung rank
     becomes an ordinary death (MPI-call deadlines are derived from it). From the second step on
@@ -103,6 +119,13 @@ class Timeouts:
         if self.detect_s != 0 and self.detect_s < 1.0:
             raise ConfigError(f"recover.timeouts.detect_s={self.detect_s}: use 0 (off) or >= 1 "
                               "second (heartbeat period = timeout / 4)")
+        if self.detect_s and self.slow_phase_s < self.detect_s:
+            raise ConfigError(f"recover.timeouts.slow_phase_s={self.slow_phase_s} is below "
+                              f"recover.timeouts.detect_s={self.detect_s}: set it >= detect_s "
+                              "(the margin of a slow phase; default 30)")
+        if not isinstance(self.preconnect_max_ranks, int) or self.preconnect_max_ranks < 0:
+            raise ConfigError(f"recover.timeouts.preconnect_max_ranks must be an integer >= 0 "
+                              f"(got {self.preconnect_max_ranks!r}); 0 never preconnects")
         if self.hang_s <= 0:
             raise ConfigError(f"recover.timeouts.hang_s must be > 0 (got {self.hang_s})")
         if self.hang_floor_s <= 0:

@@ -13,22 +13,49 @@ Invariant: ``on_lost`` is called at most once, and never for a peer that said go
 thread itself could not run for more than ``timeout_s / 2`` (its process was stopped, the host
 stalled), silence it could not hear is not evidence: every peer's clock restarts.
 
+[Note: detection margins by phase] A liveness signal that is silent for ``detect_s`` is a death
+only if the silent rank could have beaten. What was measured (2-core host, 3 namespace nodes x 3
+ranks, ``benchmarks/false_detection_bench.py``, docs/failures.md "False deaths"):
+
+* Open MPI's detector thread is started early in MPI_Init but beats only once MPI_Init is over;
+  a rank whose MPI_Init ends seconds after its observer's (the fence and the wire-up are CPU work,
+  and 9 ranks on 2 cores finish them seconds apart), or whose first heartbeat waits on a lazy TCP
+  handshake, or whose detector thread is held by heavy imports right after MPI_Init, misses its
+  deadline ("MISSED my SEND deadline by 5.9 s"): the observer declares a live rank dead, Open MPI
+  aborts it ("reported dead by someone else"). Done against it: MPI_Init comes before any heavy
+  import (``recover_hsdp/train.py``), connections open inside MPI_Init for jobs up to
+  ``recover.timeouts.preconnect_max_ranks``, the repair spreads its claim by agreement (a bcast
+  there crashed survivors while an accused rank was aborted), and an attempt that still ends
+  before its first step through such a detection keeps its hosts and is relaunched with both
+  margins doubled ([Note: the relaunch tier] in cli/relaunch.py). Open MPI's timeout itself
+  cannot follow the phase: it is a read-only MCA variable copied into a static struct at
+  MPI_Init, so it is ``detect_s`` in every phase and steady-state detection is unchanged.
+* This heartbeat's thread needs the GIL; a main thread that holds it in one long C call (a model
+  build, a checkpoint load, the first step's allocations on a loaded host) silences it. So it
+  knows the phase: a rank in a phase allowed to be slow (start-up until its first committed
+  step, a checkpoint save or load, a rejoin's transfer: ``slow_phase``/``steady``) says so in
+  every beat, and a peer is given ``slow_timeout_s`` (``recover.timeouts.slow_phase_s``) while
+  its last beat said so or while this rank is slow itself; ``timeout_s`` otherwise. The cost: a
+  frozen peer in such a phase is found after ``slow_timeout_s``; a dead one at once (its sockets
+  close); a silent host at ``detect_s`` (Open MPI's detector).
+
 Standard library only; the logic (``received``, ``overdue``) takes the time as an argument, so
 tests drive it with a fake clock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import struct
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 _MAGIC = b"RHB1"
 _FORMAT = "!4s8sHB"  # magic, replica token, sender's shard, kind
-_BEAT, _BYE = 0, 1
+_BEAT, _BYE, _BEAT_SLOW = 0, 1, 2
 
 
 class ReplicaHeartbeat:
@@ -38,15 +65,25 @@ class ReplicaHeartbeat:
         peers: shard -> (address, port) of every other rank of the replica.
         token: 8 bytes shared by the replica's ranks (datagrams of other jobs are ignored).
         period_s, timeout_s: beat period; silence after which a peer is lost (> 2 periods).
+        slow_timeout_s: the silence allowed while this rank or the peer is in a slow phase
+            ([Note: detection margins by phase]); default ``timeout_s``. A rank starts slow
+            (its start-up) until :meth:`steady`.
         on_lost: ``on_lost(shard, silent_s)``, called once from the heartbeat thread.
         clock: monotonic seconds (tests pass a fake one).
     """
 
     def __init__(self, sock: socket.socket, shard: int, peers: dict[int, tuple[str, int]],
                  token: bytes, *, period_s: float, timeout_s: float,
-                 on_lost: Callable[[int, float], None], clock: Callable[[], float] = time.monotonic):
+                 on_lost: Callable[[int, float], None], clock: Callable[[], float] = time.monotonic,
+                 slow_timeout_s: float | None = None):
         if not timeout_s > 2 * period_s > 0:
             raise ValueError(f"heartbeat timeout_s={timeout_s} must exceed 2 x period_s={period_s}")
+        slow_timeout_s = timeout_s if slow_timeout_s is None else slow_timeout_s
+        if slow_timeout_s < timeout_s:
+            raise ValueError(f"heartbeat slow_timeout_s={slow_timeout_s} < timeout_s={timeout_s}")
+        self.slow_timeout_s = slow_timeout_s
+        self._starting, self._slow_phases = True, 0  # start-up is a slow phase
+        self.peer_slow = dict.fromkeys(peers, True)  # what each peer's last beat said
         if len(token) != 8:
             raise ValueError("the heartbeat token is 8 bytes")
         self.sock, self.shard, self.peers, self.token = sock, shard, dict(peers), token
@@ -59,8 +96,33 @@ class ReplicaHeartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    # -- phases ([Note: detection margins by phase]) ----------------------------------------
+    @property
+    def slow(self) -> bool:
+        """Whether this rank is in a phase allowed to be slow (its beats say so)."""
+        return self._starting or self._slow_phases > 0
+
+    def steady(self) -> None:
+        """Start-up is over (the first committed step): ``timeout_s`` from now on, outside
+        :meth:`slow_phase`."""
+        self._starting = False
+
+    @contextlib.contextmanager
+    def slow_phase(self) -> Iterator[None]:
+        """A phase allowed to be slow (a checkpoint save or load, a rejoin's transfer); nests."""
+        self._slow_phases += 1
+        try:
+            yield
+        finally:
+            self._slow_phases -= 1
+
+    def allowed_silence(self, peer: int) -> float:
+        return self.slow_timeout_s if self.slow or self.peer_slow[peer] else self.timeout_s
+
     # -- logic (no sockets, no threads) -----------------------------------------------------
-    def message(self, kind: int = _BEAT) -> bytes:
+    def message(self, kind: int | None = None) -> bytes:
+        if kind is None:
+            kind = _BEAT_SLOW if self.slow else _BEAT
         return struct.pack(_FORMAT, _MAGIC, self.token, self.shard, kind)
 
     def received(self, data: bytes, now: float) -> None:
@@ -72,15 +134,18 @@ class ReplicaHeartbeat:
             return
         if kind == _BYE:
             self.departed.add(shard)
+        else:
+            self.peer_slow[shard] = kind == _BEAT_SLOW
         self.last_seen[shard] = now
 
     def overdue(self, now: float) -> tuple[int, float] | None:
-        """(shard, silent seconds) of a watched peer silent for ``timeout_s``, else None."""
+        """(shard, silent seconds) of a watched peer silent for longer than it is allowed
+        (:meth:`allowed_silence`), else None."""
         if now - self._last_check > self.timeout_s / 2:  # this thread could not listen
             self.last_seen = dict.fromkeys(self.last_seen, now)
         self._last_check = now
         for peer, seen in sorted(self.last_seen.items()):
-            if peer not in self.departed and now - seen > self.timeout_s:
+            if peer not in self.departed and now - seen > self.allowed_silence(peer):
                 return peer, now - seen
         return None
 
@@ -107,7 +172,7 @@ class ReplicaHeartbeat:
                 self._send(_BYE)
         self.sock.close()
 
-    def _send(self, kind: int) -> None:
+    def _send(self, kind: int | None = None) -> None:
         data = self.message(kind)
         for peer, address in self.peers.items():
             if peer in self.departed:
@@ -122,7 +187,7 @@ class ReplicaHeartbeat:
         while not self._stop.is_set():
             now = self.clock()
             if now >= next_beat:
-                self._send(_BEAT)
+                self._send()
                 next_beat = now + self.period_s
             try:
                 ready, _, _ = select.select([self.sock], [], [], max(0.0, next_beat - now))

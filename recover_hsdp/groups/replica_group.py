@@ -86,24 +86,32 @@ def init_replica_group(replica_world, job_config, step_of: Callable[[], int]) ->
     wiring = replica_world.beats
     if wiring is not None and rc.timeouts.detect_s > 0:
         group.heartbeat = start_heartbeat(wiring, rc.timeouts.detect_s, layout,
-                                          job_config.job.dump_folder, step_of)
+                                          job_config.job.dump_folder, step_of,
+                                          slow_phase_s=rc.timeouts.slow_phase_s)
     return group
 
 
 def start_heartbeat(wiring, detect_timeout_s: float, layout, out_dir,
-                    step_of: Callable[[], int]) -> ReplicaHeartbeat:
-    """Start this rank's heartbeat; a lost peer makes this rank leave (:func:`leave_replica`)."""
+                    step_of: Callable[[], int], slow_phase_s: float | None = None
+                    ) -> ReplicaHeartbeat:
+    """Start this rank's heartbeat; a lost peer makes this rank leave (:func:`leave_replica`).
+    It starts in its start-up phase ([Note: detection margins by phase] in groups/heartbeat.py):
+    the caller says ``steady()`` after the first committed step."""
+    beats: list[ReplicaHeartbeat] = []
 
     def lost(shard: int, silent_s: float) -> None:
         rank = layout.replica * layout.ranks_per_replica + shard
+        bound = beats[0].allowed_silence(shard)
+        which = "detect_s" if bound == detect_timeout_s else "slow_phase_s (a slow phase)"
         leave_replica(out_dir, layout, step_of(),
                       f"replica peer shard {shard} (rank {rank}) silent for {silent_s:.1f} s > "
-                      f"detect_timeout_s={detect_timeout_s:g} (replica heartbeat)",
+                      f"{which}={bound:g} (replica heartbeat)",
                       headline="a rank of this replica is lost")
 
-    return ReplicaHeartbeat(wiring.sock, layout.shard, wiring.peers, wiring.token,
-                            period_s=detect_timeout_s / 4, timeout_s=detect_timeout_s,
-                            on_lost=lost).start()
+    beats.append(ReplicaHeartbeat(wiring.sock, layout.shard, wiring.peers, wiring.token,
+                                  period_s=detect_timeout_s / 4, timeout_s=detect_timeout_s,
+                                  slow_timeout_s=slow_phase_s, on_lost=lost))
+    return beats[0].start()
 
 
 def leave_replica(out_dir, who, step: int, reason: str, headline: str,

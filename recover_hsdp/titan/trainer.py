@@ -15,6 +15,7 @@ adapts TorchTitan to the manager:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -52,8 +53,8 @@ class ReplicaCheckpointer:
     The hang watchdog is paused during the save (a long write is not a hang); MPI-call
     deadlines still apply. Everything else is delegated unchanged."""
 
-    def __init__(self, inner, manager):
-        self._inner, self._manager = inner, manager
+    def __init__(self, inner, manager, slow_phase=contextlib.nullcontext):
+        self._inner, self._manager, self._slow_phase = inner, manager, slow_phase
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
         inner = self._inner
@@ -62,6 +63,11 @@ class ReplicaCheckpointer:
             and not inner.load_only  # [Note: emergency checkpoint] (manager/manager.py)
         if not (due or emergency):
             return
+        with self._slow_phase():  # [Note: detection margins by phase] (groups/heartbeat.py)
+            self._save(curr_step, last_step, due, emergency)
+
+    def _save(self, curr_step: int, last_step: bool, due: bool, emergency: bool) -> None:
+        inner = self._inner
         if not (last_step and inner.last_save_model_only):  # the loader state goes in too
             source = inner.states["dataloader"]
             if source.gathers_state:
@@ -125,7 +131,7 @@ class RecoverTrainer(Trainer):
                                      self.replica_world.procs, self.replica_group.heartbeat)
         if layout.world_rank == 0 and not self._joining:
             write_registry(job_config.job.dump_folder, self.replica_world.procs)  # launcher's
-        self.checkpointer = ReplicaCheckpointer(self.checkpointer, self.manager)
+        self.checkpointer = ReplicaCheckpointer(self.checkpointer, self.manager, self._slow_phase)
         if job_config.recover.debug.log_samples:
             self.dataloader.sample_log = SampleLog(job_config.job.dump_folder,
                                                    self.replica_world.layout.world_rank)
@@ -148,19 +154,28 @@ class RecoverTrainer(Trainer):
 
     # ---------------------------------------------------------------- one step
 
+    def _slow_phase(self):
+        """A phase allowed to be slow for the replica heartbeat ([Note: detection margins by
+        phase] in groups/heartbeat.py); nothing without one."""
+        beat = self.replica_group.heartbeat
+        return beat.slow_phase() if beat is not None else contextlib.nullcontext()
+
     def train_step(self, data_iterator) -> None:
-        if self._joining:  # a replacement rank: take the live state, then the survivors' step
-            self.step = self.manager.join_as_newcomer(self)
-            self._joining = False
-            self.metrics_processor._last_log = time.perf_counter()  # its steps start now
-        else:
-            self.manager.maybe_admit(self.step, self)
+        with self._slow_phase():  # a rejoin's transfer
+            if self._joining:  # a replacement rank: take the live state, then the survivors' step
+                self.step = self.manager.join_as_newcomer(self)
+                self._joining = False
+                self.metrics_processor._last_log = time.perf_counter()  # its steps start now
+            else:
+                self.manager.maybe_admit(self.step, self)
         self._join_staged = ([], [])  # a join is over by now: its host copy can go
         self._join_staging.release()
         started = time.perf_counter()
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         record = self.manager.step(self.step, self)
+        if self.replica_group.heartbeat is not None:  # committed: start-up is over
+            self.replica_group.heartbeat.steady()
         self.dataloader.consume(self.step, self.manager.committed_data)
         record["lr"] = lr
         record["train_step_s"] = time.perf_counter() - started

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp.cli import attempts
+from recover_hsdp.cli import attempts, relaunch
 from recover_hsdp.cli import hosts as remote
 from recover_hsdp.cli.hostfile import HostEntry, parse_hostfile
 from recover_hsdp.cli.hosts import ssh_agent
@@ -136,6 +136,8 @@ class FakeJob:
             raise ConfigError("bad")
         job = argparse.Namespace(
             recover=argparse.Namespace(tiers=argparse.Namespace(max_relaunches=2),
+                                       timeouts=argparse.Namespace(detect_s=4.0,
+                                                                   slow_phase_s=30.0),
                                        ranks_per_replica=1),
             parallelism=argparse.Namespace(tensor_parallel_degree=1),
             training=argparse.Namespace(global_batch_size=-1, local_batch_size=2),
@@ -213,6 +215,51 @@ def test_driver_relaunches_from_the_newest_complete_checkpoint(tmp_path, monkeyp
     assert summary["steps"] == 10 and summary["attempts"] == 2
     assert [r["attempt"] for r in summary["relaunches"]] == [1]
     assert (out / "relaunch" / "attempt-0" / "mpirun-tail.log").read_text() == lost_daemon
+
+
+FALSELY_ACCUSED = ("[n1:123] [[1,1],4] ompi_proc_mark_as_failed: I have been reported dead by "
+                   "someone else. This is abnormal: since the current rank is executing this "
+                   "code, the failure detector made a mistake.\n")
+
+
+def test_false_detection_at_start_up_widens_the_margins_and_loses_no_host(tmp_path, monkeypatch,
+                                                                           capsys):
+    """An attempt that ended before its first step because Open MPI aborted two live ranks it
+    had been told were dead ([Note: detection margins by phase]): the hosts of the aborted ranks
+    stay, the next attempt gets twice detect_s and slow_phase_s (one line), and a later relaunch
+    keeps them."""
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    out.mkdir()
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{h} slots=8\n" for h in HOSTS))
+    monkeypatch.setattr(remote, "host_names", lambda agent, hosts, timeout=0: dict(ALIASES))
+    monkeypatch.setattr(remote, "kill_remote", lambda agent, by_host, timeout=0: {})
+    monkeypatch.setattr(attempts.socket, "gethostname", lambda: "n0")
+
+    def accused(args):  # no world yet: the aborted ranks' start records have no "exited"
+        for rank, host in ((1, "n1"), (2, "n2")):
+            (out / "start").mkdir(exist_ok=True)
+            (out / "start" / f"rank{rank}.json").write_text(json.dumps(
+                {"rank": rank, "host": host, "pid": 1, "start": 1}))
+        return range(0), FALSELY_ACCUSED * 2, [], False
+
+    job = FakeJob(out, ckpt, [accused, lambda a: (range(1, 3), LOST_DAEMON.replace("rh22bn2", "n3"),
+                                                  _procs(["n0", "n1", "n2"]), False),
+                              lambda a: (range(3, 11), "", _procs(["n0", "n1", "n2"]), True)])
+    args = argparse.Namespace(
+        replicas=3, ranks_per_replica=None, gpus_per_node=0, ranks_per_gpu=1, hostfile=None,
+        mpi_arg=["--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent", "/agent",
+                 "--map-by", "ppr:1:node"], fault=[], overrides=[], end_grace=1.0)
+    attempts.train_with_relaunch(args, job.build_job, job.supervise, {})
+    second, third = job.commands[1], job.commands[2]
+    assert second.overrides[-4:] == ["--recover.timeouts.detect_s", "8",
+                                     "--recover.timeouts.slow_phase_s", "60"]
+    assert Path(second.hostfile).read_text().split()[::2] == [f"10.0.0.{i}" for i in (1, 2, 3, 4)]
+    assert "2 live rank(s) were declared dead before the first step" in capsys.readouterr().out
+    assert third.overrides[-4:] == second.overrides[-4:]          # kept by the next relaunch
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    first = [e for e in events if e.get("phase") == "relaunch"][0]
+    assert first["lost_hosts"] == {} and (first["detect_s"], first["slow_phase_s"]) == (8, 60)
 
 
 def test_driver_gives_up_after_max_relaunches(tmp_path, monkeypatch, capsys):
@@ -350,3 +397,31 @@ def test_the_writer_waits_for_the_launchers_verdict(tmp_path, monkeypatch):
     launcher.join()
     assert handshake.read_request(tmp_path)[1]["hosts"] == ["c"]
     assert json.loads((tmp_path / handshake.VERDICT).read_text())["step"] == 8
+
+
+def test_false_detection_relaunches_are_free_up_to_a_bound():
+    """[Note: the relaunch tier]: the first MAX_WIDENINGS relaunches for false detections at
+    start-up do not use up max_relaunches; later ones do; with the tier off nothing is free."""
+    def rec(free):
+        return relaunch.RelaunchRecord(attempt=1, cause="x", lost_hosts={}, hosts=[], replicas=1,
+                                       resume_step=0, last_step=0, steps_lost=0, failure_at=0.0,
+                                       ended_at=0.0, relaunched_at=0.0, false_detection=free)
+
+    assert attempts._counted([], found=1, max_relaunches=2) == 0
+    assert attempts._counted([rec(False), rec(False)], found=1, max_relaunches=2) == 1  # allowed
+    assert attempts._counted([rec(False), rec(False)], found=0, max_relaunches=2) == 2  # used up
+    assert attempts._counted([rec(True)] * 3, found=1, max_relaunches=2) == 0
+    assert attempts._counted([rec(True)] * 3 + [rec(False)], found=0, max_relaunches=2) == 1
+    assert attempts._counted([], found=1, max_relaunches=0) == 0  # tier off: refused (0 >= 0)
+
+
+def test_a_host_slow_to_answer_once_is_asked_again_before_it_is_lost(tmp_path):
+    """A loaded host can miss one probe: it is asked again with twice the time; one that never
+    answers is lost. Real subprocesses through an ssh-like agent script."""
+    agent = tmp_path / "agent.sh"
+    agent.write_text("#!/bin/sh\nhost=$1\nf=" + str(tmp_path) + "/seen-$host\n"
+                     "if [ \"$host\" = dead ]; then sleep 5; exit 1; fi\n"
+                     "if [ ! -e $f ]; then touch $f; sleep 2; fi\necho name-$host\n")
+    agent.chmod(0o755)
+    answers = remote.host_names([str(agent)], ["slow", "dead"], timeout=0.6)
+    assert answers == {"slow": "name-slow", "dead": None}

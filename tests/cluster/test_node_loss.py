@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -91,10 +92,14 @@ def _node_of(out, replica: int) -> int:
     pytest.param("frozen_rank", 3, marks=pytest.mark.soak),  # the cut link runs in CI
     # default suite time: test_real_failures' frozen 2 x 2 rank; across hosts: the cut link
     pytest.param("frozen_rank", 4, marks=pytest.mark.soak),
-    pytest.param("link_down", 4, marks=pytest.mark.soak)])  # default suite time; 10/10 measured
+    pytest.param("link_down", 4, marks=pytest.mark.soak),  # default suite time; 10/10 measured
+    pytest.param("stalled_rank", 3, marks=pytest.mark.slow)])
 def test_lost_node_the_others_finish(tmp_path, fault, nodes):
     """Real process: a rank frozen / a link cut across network-namespace hosts: the detector and
-    its in-band notices."""
+    its in-band notices. ``stalled_rank``: frozen for 2 x detect_s, then resumed (a host that
+    stalled): declared dead while alive, Open MPI aborts it when it runs again ("reported dead by
+    someone else"); that costs its replica only, never a crash of the survivors ([Note:
+    detection margins by phase])."""
     out = tmp_path / "run"
     out.mkdir()
     prefix, subnet = _names(f"{fault[0]}{nodes}", 50 + 7 * nodes + (fault == "link_down"))
@@ -106,10 +111,14 @@ def test_lost_node_the_others_finish(tmp_path, fault, nodes):
         if fault == "link_down":
             cluster.link_down(2)
         else:
-            os.kill(victim.pid, 19)  # SIGSTOP: frozen, sockets open
+            os.kill(victim.pid, signal.SIGSTOP)  # frozen, sockets open
+        if fault == "stalled_rank":
+            time.sleep(8.0)                       # declared dead by now (detect_s 4)
+            os.kill(victim.pid, signal.SIGCONT)
         rc, wall, text = _finish(proc, out)
         log.close()
         assert rc == 0, text[-4000:]
+        assert "Segmentation fault" not in text, text[-4000:]
         steps = read_jsonl(out / "metrics.jsonl")
         assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), text[-3000:]
         assert all(s["reduced_microbatches"] == nodes for s in steps)
@@ -130,7 +139,7 @@ def test_lost_node_the_others_finish(tmp_path, fault, nodes):
                 break
             time.sleep(0.5)
         assert not left, left
-        if fault == "frozen_rank":
+        if fault != "link_down":
             assert victim.state() in (None, "Z")
 
 

@@ -168,6 +168,8 @@ def test_sections_and_aliases_are_known_keys(tmp_path):
     ("workload", "g_raise", "double", "recover.workload.g_raise must be 'ceil' or 'reserve'"),
     ("workload", "data_seed", -1, "recover.workload.data_seed must be an integer >= 0"),
     ("timeouts", "detect_s", 0.5, "recover.timeouts.detect_s=0.5: use 0 (off) or >= 1"),
+    ("timeouts", "slow_phase_s", 2, "recover.timeouts.slow_phase_s=2 is below "
+                                   "recover.timeouts.detect_s=4.0: set it >= detect_s"),
     ("timeouts", "hang_s", 0, "recover.timeouts.hang_s must be > 0"),
     ("timeouts", "hang_floor_s", -1, "recover.timeouts.hang_floor_s must be > 0"),
     ("timeouts", "hang_progress_factor", 0.5, "recover.timeouts.hang_progress_factor must be >= 1"),

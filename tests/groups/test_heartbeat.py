@@ -49,6 +49,64 @@ def test_a_silent_peer_is_lost_after_the_timeout_and_not_before():
     a.sock.close(), b.sock.close()
 
 
+def _phase_pair(clock):
+    a, b = open_socket("127.0.0.1"), open_socket("127.0.0.1")
+    make = lambda sock, shard, peer: ReplicaHeartbeat(  # noqa: E731
+        sock, shard, {1 - shard: peer.getsockname()}, TOKEN, period_s=1.0, timeout_s=4.0,
+        slow_timeout_s=30.0, on_lost=print, clock=clock)
+    return make(a, 0, b), make(b, 1, a)
+
+
+def _silence(beat, clock, seconds):
+    """``seconds`` of silence from the peer, checked every second; the first overdue or None."""
+    for _ in range(int(seconds)):
+        clock.now += 1.0
+        found = beat.overdue(clock.now)
+        if found:
+            return found
+    return None
+
+
+def test_start_up_is_a_slow_phase_until_steady():
+    """[Note: detection margins by phase]: at start-up a silent peer has slow_timeout_s; after
+    both say steady, detect_s again."""
+    clock = _Clock()
+    a, b = _phase_pair(clock)
+    assert a.slow and b.message() != a.message()  # start-up beats say "slow"
+    a.received(b.message(), clock.now)
+    assert _silence(a, clock, 29) is None          # 29 s of silence at start-up: no death
+    assert _silence(a, clock, 2)[0] == 1           # past 30 s: lost
+    a.lost = None
+    a.steady(), b.steady()
+    a.received(b.message(), clock.now)
+    assert not a.slow and _silence(a, clock, 4) is None
+    assert _silence(a, clock, 1) == (1, pytest.approx(5.0))
+    a.sock.close(), b.sock.close()
+
+
+def test_a_peer_in_a_slow_phase_gets_the_margin_and_loses_it_when_it_ends():
+    clock = _Clock()
+    a, b = _phase_pair(clock)
+    a.steady(), b.steady()
+    with b.slow_phase(), b.slow_phase():  # a checkpoint save inside a join: nests
+        a.received(b.message(), clock.now)
+        assert not a.slow and a.allowed_silence(1) == 30.0
+    assert not b.slow
+    a.received(b.message(), clock.now)    # b's first beat after the save: steady
+    assert a.allowed_silence(1) == 4.0 and _silence(a, clock, 5)[0] == 1
+    with a.slow_phase():                  # this rank slow itself: its peers get the margin
+        assert a.allowed_silence(1) == 30.0
+    a.sock.close(), b.sock.close()
+
+
+def test_the_margin_is_never_below_the_timeout():
+    sock = open_socket("127.0.0.1")
+    with pytest.raises(ValueError, match="slow_timeout_s"):
+        ReplicaHeartbeat(sock, 0, {}, TOKEN, period_s=1.0, timeout_s=4.0, slow_timeout_s=2.0,
+                         on_lost=print)
+    sock.close()
+
+
 def test_foreign_datagrams_and_goodbyes():
     clock = _Clock()
     a, b = _pair_logic(clock)

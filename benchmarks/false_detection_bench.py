@@ -1,0 +1,152 @@
+"""False deaths at start-up under CPU pressure, before and after [Note: detection margins by phase].
+
+The run: 3 namespace nodes (tests/netns_cluster.py), 3 replicas x 3 ranks (``--map-by
+ppr:3:node``), the debug model for ``--steps`` steps, a busy process per core beside it (``--hog``),
+no injected fault: every death in it is a false one. Two settings, side by side, run after run:
+
+* ``before``: lazy MPI connections (``preconnect_max_ranks = 0``) and no margin for the
+  replica heartbeat (``slow_phase_s = detect_s``), i.e. the detectors as they were;
+* ``after``: the defaults (every connection opened in MPI_Init, ``slow_phase_s`` 30 s).
+
+Counted in each run's log (Open MPI's ``mpi_ft_verbose 1`` lines included): the detector thread's
+missed send deadlines ("MISSED my SEND deadline", the cause), live ranks declared dead ("now
+suspected dead", "reported dead by someone else"), replica-heartbeat leaves ("(replica
+heartbeat)"), relaunches, and whether the run completed with every replica. Also the largest
+send gap Open MPI reported (the margin it took), and the seconds from the launch to the first
+committed step.
+
+    sudo python benchmarks/false_detection_bench.py --runs 5 --hog 2    # ~20 min on 2 cores
+
+``--cut-step 3 --steps 14 --checkpoint-interval 2 --settings after --hog 0``: issue 35's run (node
+2's link cut after step 3, so the relaunch tier takes over from the emergency checkpoint); then
+a run passes if it completed with every step once.
+
+Results: benchmarks/results/false_detection.json. Nothing here is imported by the product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests")]
+
+from _common import CONFIG, REPO, RESULTS, machine  # noqa: E402
+from netns_cluster import NetnsCluster, available  # noqa: E402
+
+SETTINGS = {"before": ["--recover.timeouts.preconnect_max_ranks", "0",
+                       "--recover.timeouts.slow_phase_s", "4"],
+            "after": []}
+MISSED = re.compile(r"MISSED my SEND \d+ deadline by ([0-9.e+-]+)")
+COUNTS = {"missed_send": "MISSED my SEND", "suspected": "now suspected dead",
+          "aborted_live": "reported dead by someone else", "heartbeat_leaves": "(replica heartbeat)",
+          "relaunches": "recover-hsdp: relaunch "}
+
+
+def one_run(index: int, setting: str, steps: int, hog: int, root: Path, cut_step: int = 0,
+            checkpoint_interval: int = 0) -> dict:
+    run = root / f"{setting}-{index}"
+    subprocess.run(["rm", "-rf", str(run)], check=False)
+    run.mkdir(parents=True)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hog)]
+    started = time.time()
+    try:
+        with NetnsCluster(3, prefix=f"fdb{index % 10}{setting[0]}",
+                          subnet=f"10.236.{index % 200 + (0 if setting == 'before' else 50)}") as c:
+            mpi = [*c.mpirun_args(), "--map-by", "ppr:3:node", "--mca", "mpi_ft_verbose", "1"]
+            argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config",
+                    str(CONFIG), "--replicas", "3", "--ranks-per-replica", "3", "--out",
+                    str(run / "out"), "--end-grace", "10", *[f"--mpi-arg={a}" for a in mpi], "--",
+                    "--training.steps", str(steps), "--recover.timeouts.hang_s", "60",
+                    *SETTINGS[setting]]
+            if checkpoint_interval:
+                argv += ["--checkpoint.enable", "--checkpoint.interval", str(checkpoint_interval),
+                         "--checkpoint.folder", str(run / "ckpt")]
+            with open(run / "run.log", "w") as log:
+                proc = c.popen(0, argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                               stdout=log, stderr=log, cwd=str(REPO))
+                metrics, first = run / "out" / "metrics.jsonl", None
+                deadline = time.time() + 1200
+                while proc.poll() is None and time.time() < deadline:
+                    if first is None and metrics.exists() and metrics.stat().st_size > 0:
+                        first = time.time()
+                    if cut_step and metrics.exists() and \
+                            len(metrics.read_text().splitlines()) >= cut_step:
+                        c.link_down(2)
+                        cut_step = 0
+                    time.sleep(0.2)
+                if proc.poll() is None:
+                    proc.kill()
+                returncode = proc.wait()
+    finally:
+        for h in hogs:
+            h.kill()
+    text = (run / "run.log").read_text(errors="replace")
+    summary_path = run / "out" / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    gaps = [float(g) for g in MISSED.findall(text)]
+    records = []
+    if (run / "out" / "metrics.jsonl").exists():
+        records = [json.loads(line) for line in
+                   (run / "out" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps_done = [r["step"] for r in records]
+    return {"setting": setting, "run": index, "exit": returncode,
+            "completed": bool(summary.get("completed")),
+            "every_step_once": steps_done == list(range(1, steps + 1)),
+            "b_every_step": bool(records) and all(r["reduced_microbatches"] == 3 for r in records),
+            "replicas_per_step": [r["alive_replicas"] for r in records],
+            "alive_replicas": summary.get("alive_replicas"),
+            "attempts": summary.get("attempts", 1), "wall_s": round(time.time() - started, 1),
+            "first_step_at_s": round(first - started, 1) if first else None,
+            "largest_send_gap_s": max(gaps, default=0.0),
+            **{name: text.count(mark) for name, mark in COUNTS.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--hog", type=int, default=2, help="busy processes beside the job")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--settings", default="before,after")
+    parser.add_argument("--root", default="/tmp/recover_hsdp_false_detection")
+    parser.add_argument("--cut-step", type=int, default=0, help="cut node 2's link after it")
+    parser.add_argument("--checkpoint-interval", type=int, default=0)
+    parser.add_argument("--results", default="false_detection.json")
+    args = parser.parse_args()
+    ok, why = available()
+    if not ok:
+        raise SystemExit(f"needs network namespaces: {why}")
+    rows = []
+    for index in range(args.runs):
+        for setting in args.settings.split(","):
+            row = one_run(index, setting, args.steps, args.hog, Path(args.root), args.cut_step,
+                          args.checkpoint_interval)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    totals = {}
+    for setting in args.settings.split(","):
+        mine = [r for r in rows if r["setting"] == setting]
+        totals[setting] = {
+            "runs": len(mine),
+            "runs_with_a_false_death": sum(1 for r in mine if r["suspected"] or r["aborted_live"]
+                                           or r["heartbeat_leaves"]),
+            "runs_completed_with_every_replica": sum(1 for r in mine if r["completed"]
+                                                     and r["alive_replicas"] == 3
+                                                     and r["attempts"] == 1),
+            "runs_completed_every_step_once": sum(1 for r in mine if r["completed"]
+                                                  and r["every_step_once"] and r["exit"] == 0),
+            **{name: sum(r[name] for r in mine) for name in COUNTS},
+            "largest_send_gap_s": max((r["largest_send_gap_s"] for r in mine), default=0.0)}
+    print(json.dumps(totals, indent=1))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / args.results).write_text(json.dumps(
+        {"machine": machine(), "args": vars(args), "totals": totals, "runs": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
