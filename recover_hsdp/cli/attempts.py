@@ -219,7 +219,8 @@ def _judge(job: Job, records: list[relaunch.RelaunchRecord], request: RelaunchRe
         unanswered={h for h, n in aliases.items() if n is None},
         aliases={h: n for h, n in aliases.items() if n}, launcher_host=socket.gethostname(),
         ranks_per_replica=job.ranks_per_replica,
-        false_detections=relaunch.false_detections(log_text, progressed))
+        false_detections=relaunch.false_detections(log_text, progressed),
+        init_crashes=relaunch.init_crashes(log_text, progressed))
     lost_before = records[-1].lost_hosts if records else {}
     new = relaunch.lost_hosts([e.name for e in entries if e.name not in lost_before], evidence)
     lost = {**lost_before, **new}
@@ -230,7 +231,8 @@ def _judge(job: Job, records: list[relaunch.RelaunchRecord], request: RelaunchRe
     plan = relaunch.plan_relaunch(entries, lost, job.ranks_per_replica,
                                   job.args.replicas, job.per_host,
                                   relaunch.newest_complete_checkpoint(job.checkpoints),
-                                  _counted(records, evidence.false_detections,
+                                  _counted(records, evidence.false_detections
+                                           + evidence.init_crashes,
                                            job.max_relaunches),
                                   job.max_relaunches, hopeless)
     _keep_attempt(out, attempt, log_text)
@@ -245,8 +247,8 @@ def _judge(job: Job, records: list[relaunch.RelaunchRecord], request: RelaunchRe
         steps_lost=max(0, last_step - plan.resume_step),
         failure_at=relaunch.failure_time(evidence.events, ended_at, set(lost)),
         ended_at=ended_at, relaunched_at=time.time())
-    return _next_attempt(job, plan, record, returncode, _margins(job, records, record,
-                                                                 evidence.false_detections))
+    return _next_attempt(job, plan, record, returncode, _margins(
+        job, records, record, evidence.false_detections, evidence.init_crashes))
 
 
 MAX_WIDENINGS = 3  # relaunches for false detections that do not count against max_relaunches
@@ -264,12 +266,12 @@ def _counted(records: list[relaunch.RelaunchRecord], found: int, max_relaunches:
 
 
 def _margins(job: Job, records: list[relaunch.RelaunchRecord], record: relaunch.RelaunchRecord,
-             found: int) -> list[str]:
+             found: int, crashed: int = 0) -> list[str]:
     """The detection margins of the next attempt: the last relaunch's (or the job's), doubled
     after false detections at start-up (the line printed, the record updated)."""
     last = next((r for r in reversed(records) if r.detect_s is not None), None)
     detect_s, slow_s = (last.detect_s, last.slow_phase_s) if last else job.margins
-    overrides, line = relaunch.wider_margins(detect_s, slow_s, found)
+    overrides, line = relaunch.wider_margins(detect_s, slow_s, found, crashed)
     if line:
         print(line, flush=True)
         record.detect_s, record.slow_phase_s = float(overrides[1]), float(overrides[3])

@@ -9,7 +9,8 @@ rendezvous) ends it too. Those endings are "abnormal": mpirun returned and no su
 
 1. finds the lost hosts (:func:`lost_hosts`): the hosts PRRTE names in its lost-daemon /
    failed-daemon message, the hosts that did not answer the launcher's probe, the hosts where
-   every rank of the job was declared dead by the survivors (events.jsonl), and, for a job
+   every rank of the job was declared dead by the survivors (events.jsonl) and none was aborted
+   by Open MPI as falsely accused (:func:`accused_hosts`), and, for a job
    that ended before its world was built, the hosts of ranks that died hard at start-up
    ([Note: start-up records]). mpirun's own host is never "lost" (the launcher runs there);
 2. ends every process of the old job on every host that answers (procs.json and the start-up
@@ -21,7 +22,8 @@ rendezvous) ends it too. Those endings are "abnormal": mpirun returned and no su
    state is in it; G rises), and the data streams go on from the checkpoint's loader state;
    An attempt that ended before its first step because a live rank was declared dead (Open MPI
    aborts a rank "reported dead by someone else": :func:`false_detections`) lost no host
-   through it: its hosts stay, and the next attempt gets twice the detection margin
+   through it: its hosts stay, and the next attempt gets twice the detection margin (also after
+   ranks crashed on a failure notice inside MPI_Init: :func:`init_crashes`)
    (``detect_s`` and ``slow_phase_s``: :func:`wider_margins`, one line says so; [Note:
    detection margins by phase] in groups/heartbeat.py);
 4. at most ``recover.tiers.max_relaunches`` times; every relaunch is a record in events.jsonl
@@ -89,6 +91,7 @@ class Evidence:
     launcher_host: str = ""
     ranks_per_replica: int = 1
     false_detections: int = 0     # live ranks declared dead (:func:`false_detections`)
+    init_crashes: int = 0         # ranks crashed in MPI_Init on a failure notice
 
 
 def lost_hosts(hosts: list[str], ev: Evidence) -> dict[str, str]:
@@ -114,8 +117,9 @@ def lost_hosts(hosts: list[str], ev: Evidence) -> dict[str, str]:
         by_host: dict[str, set[int]] = {}
         for rank, proc in enumerate(ev.procs):
             by_host.setdefault(proc["host"], set()).add(rank // ev.ranks_per_replica)
+        accused = accused_hosts(ev.log_text)
         for reported, replicas in sorted(by_host.items()):
-            if replicas <= dead:
+            if replicas <= dead and reported not in accused:
                 mark(reported, "every rank on it was declared dead")
     else:  # ended before the world was built
         for rank, record in sorted(ev.start_records.items()):
@@ -125,6 +129,17 @@ def lost_hosts(hosts: list[str], ev: Evidence) -> dict[str, str]:
 
 
 _FALSE_DETECTION = "I have been reported dead by someone else"  # Open MPI, then it aborts
+_ACCUSED_HOST = re.compile(r"\[([^:\]\s]+):\d+\] \[\[\d+,\d+\],\d+\] ompi_proc_mark_as_failed: "
+                           + _FALSE_DETECTION)
+
+
+def accused_hosts(log_text: str) -> set[str]:
+    """The hosts (as they name themselves) of live ranks Open MPI aborted because a detector
+    had declared them dead: not evidence against the host."""
+    return set(_ACCUSED_HOST.findall(log_text))
+
+
+_INIT_CRASH = "(ompi_comm_revoke_local+"  # a failure notice inside MPI_Init: Open MPI crashes
 
 
 def false_detections(log_text: str, progressed: bool) -> int:
@@ -134,16 +149,27 @@ def false_detections(log_text: str, progressed: bool) -> int:
     return 0 if progressed else log_text.count(_FALSE_DETECTION)
 
 
-def wider_margins(detect_s: float, slow_phase_s: float, found: int) -> tuple[list[str], str]:
-    """The next attempt's overrides after ``found`` false detections at start-up: both margins
-    doubled, and the one line the launcher prints."""
-    if not found or detect_s <= 0:
+def init_crashes(log_text: str, progressed: bool) -> int:
+    """Ranks that crashed handling a failure notice inside MPI_Init (Open MPI revokes a
+    communicator that does not exist yet), in an attempt that made no step: a detection
+    during MPI_Init, true or false, ends the attempt; a wider margin makes a false one rarer."""
+    return 0 if progressed else log_text.count(_INIT_CRASH)
+
+
+def wider_margins(detect_s: float, slow_phase_s: float, found: int,
+                  crashed: int = 0) -> tuple[list[str], str]:
+    """The next attempt's overrides after ``found`` false detections (or ``crashed`` ranks in
+    MPI_Init: :func:`init_crashes`) before the first step: both margins doubled, and the one
+    line the launcher prints."""
+    if not (found or crashed) or detect_s <= 0:
         return [], ""
     wider = (2 * detect_s, 2 * max(slow_phase_s, detect_s))
+    what = (f"{found} live rank(s) were declared dead before the first step (a detection, not "
+            "a lost host)" if found else
+            f"{crashed} rank(s) crashed on a failure notice inside MPI_Init")
     return (["--recover.timeouts.detect_s", f"{wider[0]:g}",
              "--recover.timeouts.slow_phase_s", f"{wider[1]:g}"],
-            f"recover-hsdp: {found} live rank(s) were declared dead before the first step (a "
-            f"detection, not a lost host): the relaunch widens recover.timeouts.detect_s "
+            f"recover-hsdp: {what}: the relaunch widens recover.timeouts.detect_s "
             f"{detect_s:g} -> {wider[0]:g} s and slow_phase_s {slow_phase_s:g} -> {wider[1]:g} s")
 
 

@@ -62,6 +62,10 @@ def test_lost_hosts_from_every_kind_of_evidence():
     assert lost_hosts(HOSTS, daemon) == {"10.0.0.3": "PRRTE lost its daemon"}
     dead = Evidence(procs=_procs(["n0", "n1", "n2"]), events=[{"dead_replicas": [1]}], **base)
     assert lost_hosts(HOSTS, dead) == {"10.0.0.2": "every rank on it was declared dead"}
+    # ... unless Open MPI aborted a rank there as falsely accused: a detection, not the host
+    accused = Evidence(procs=_procs(["n0", "n1", "n2"]), events=[{"dead_replicas": [1, 2]}],
+                       log_text=FALSELY_ACCUSED, **base)
+    assert lost_hosts(HOSTS, accused) == {"10.0.0.3": "every rank on it was declared dead"}
     # a 2 x 2 job with replica 1 across n1 and n2: one dead replica loses both hosts' ranks
     split = Evidence(procs=_procs(["n0", "n0", "n1", "n2"]), events=[{"dead_replicas": [1]}],
                      **{**base, "ranks_per_replica": 2})
@@ -425,3 +429,14 @@ def test_a_host_slow_to_answer_once_is_asked_again_before_it_is_lost(tmp_path):
     agent.chmod(0o755)
     answers = remote.host_names([str(agent)], ["slow", "dead"], timeout=0.6)
     assert answers == {"slow": "name-slow", "dead": None}
+
+
+def test_ranks_crashed_inside_mpi_init_widen_the_margins():
+    crash = ("[n0:21240] [ 1] /x/libmpi.so.40(ompi_comm_revoke_local+0x3f)[0x7ffac76745df]\n"
+             "[n1:21272] [ 1] /x/libmpi.so.40(ompi_comm_revoke_local+0x3f)[0x7ff05b6745df]\n")
+    assert relaunch.init_crashes(crash, progressed=False) == 2
+    assert relaunch.init_crashes(crash, progressed=True) == 0
+    overrides, line = relaunch.wider_margins(4.0, 30.0, 0, crashed=2)
+    assert overrides == ["--recover.timeouts.detect_s", "8", "--recover.timeouts.slow_phase_s",
+                         "60"] and "2 rank(s) crashed on a failure notice inside MPI_Init" in line
+    assert relaunch.wider_margins(4.0, 30.0, 0) == ([], "")
