@@ -129,8 +129,9 @@ def test_death_during_the_transfer(tmp_path, reference, victim):
     assert steps[-1]["alive_replicas"] == 3 + len(later) == summary["alive_replicas"]
 
 
-@pytest.mark.slow  # default suite time: test_rejoin_protocol::
-# test_survivor_death_while_the_newcomer_starts_keeps_the_join proves the protocol
+@pytest.mark.soak  # CI time (196 s): test_rejoin_protocol::
+# test_survivor_death_while_the_newcomer_starts_keeps_the_join proves the protocol; the default
+# suite's standby-host join is a real one
 def test_survivor_death_while_the_newcomer_starts(tmp_path, reference):
     """Issue 22's scenario: 4 x 1, ``respawn_after_steps = 2``, replica 3 SIGKILLed at step 2,
     its newcomer spawned before step 5; replica 2 (not the spawner) SIGKILLed in step 6 while
