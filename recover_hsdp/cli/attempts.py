@@ -114,7 +114,7 @@ class Job:
     batch: int                    # B (kept when a relaunch from scratch changes R)
     checkpoints: Path | None      # the DCP folder
     max_relaunches: int
-    margins: tuple[float, float] = (4.0, 30.0)  # the first attempt's detect_s, slow_phase_s
+    margins: tuple[float, float]  # the first attempt's detect_s, slow_phase_s
 
 
 def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dict) -> int:
@@ -279,8 +279,7 @@ def _margins(job: Job, records: list[relaunch.RelaunchRecord], record: relaunch.
         return overrides
     if last:  # keep the wider margins of an earlier relaunch
         record.detect_s, record.slow_phase_s = detect_s, slow_s
-        return ["--recover.timeouts.detect_s", f"{detect_s:g}",
-                "--recover.timeouts.slow_phase_s", f"{slow_s:g}"]
+        return relaunch.margin_overrides(detect_s, slow_s)
     return []
 
 

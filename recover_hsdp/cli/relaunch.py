@@ -156,6 +156,12 @@ def init_crashes(log_text: str, progressed: bool) -> int:
     return 0 if progressed else log_text.count(_INIT_CRASH)
 
 
+def margin_overrides(detect_s: float, slow_phase_s: float) -> list[str]:
+    """The command-line overrides that give an attempt these detection margins."""
+    return ["--recover.timeouts.detect_s", f"{detect_s:g}",
+            "--recover.timeouts.slow_phase_s", f"{slow_phase_s:g}"]
+
+
 def wider_margins(detect_s: float, slow_phase_s: float, found: int,
                   crashed: int = 0) -> tuple[list[str], str]:
     """The next attempt's overrides after ``found`` false detections (or ``crashed`` ranks in
@@ -167,8 +173,7 @@ def wider_margins(detect_s: float, slow_phase_s: float, found: int,
     what = (f"{found} live rank(s) were declared dead before the first step (a detection, not "
             "a lost host)" if found else
             f"{crashed} rank(s) crashed on a failure notice inside MPI_Init")
-    return (["--recover.timeouts.detect_s", f"{wider[0]:g}",
-             "--recover.timeouts.slow_phase_s", f"{wider[1]:g}"],
+    return (margin_overrides(*wider),
             f"recover-hsdp: {what}: the relaunch widens recover.timeouts.detect_s "
             f"{detect_s:g} -> {wider[0]:g} s and slow_phase_s {slow_phase_s:g} -> {wider[1]:g} s")
 
