@@ -33,7 +33,7 @@ from recover_hsdp.cli import hosts as remote
 from recover_hsdp.cli import relaunch, slurm
 from recover_hsdp.cli.hostfile import HostEntry, format_hostfile, read_hostfile
 from recover_hsdp.collectives.processes import read_registry, read_start_records
-from recover_hsdp.config import ConfigError, data_ranks_per_replica
+from recover_hsdp.config import ConfigError, initial_replica_count
 from recover_hsdp.outputs import clear_run_files, start_afresh
 
 RELAUNCH_DIR = "relaunch"
@@ -111,10 +111,11 @@ class Job:
     agent: list[str]              # mpirun's ssh agent (reaches the hosts)
     ranks_per_replica: int
     per_host: int | None          # ranks per host of the GPU layout, else None
-    batch: int                    # B (kept when a relaunch from scratch changes R)
+    initial_replicas: int         # W_init of the batch contract ([Note: the relaunch keeps B])
     checkpoints: Path | None      # the DCP folder
     max_relaunches: int
     margins: tuple[float, float]  # the first attempt's detect_s, slow_phase_s
+    fired: list[dict] = dataclasses.field(default_factory=list)  # faults_fired.jsonl, all attempts
 
 
 def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dict) -> int:
@@ -128,8 +129,9 @@ def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dic
             break
         command, record = result.command, result.record
         # the old job's claims stay: a cut-off part of it may still be alive and must find the
-        # majority's claim there and stop ([Note: split brain] in collectives/arbiter.py)
-        clear_run_files(job.out, keep=("membership",))
+        # majority's claim there and stop ([Note: split brain] in collectives/arbiter.py); so do
+        # the operator's pending join requests: the new attempt answers them
+        clear_run_files(job.out, keep=("membership", "join"))
         records.append(record)
         print(f"recover-hsdp: relaunch {record.attempt}/{job.max_relaunches}: {record.cause}; "
               f"{record.replicas} replica(s) on {', '.join(record.hosts)} from step "
@@ -156,7 +158,6 @@ def prepare_job(args: argparse.Namespace, build_job, supervise, env: dict
     command, out, config = build_job(args)
     rc = config.recover
     ranks_per_replica = args.ranks_per_replica or rc.ranks_per_replica
-    fsdp = data_ranks_per_replica(ranks_per_replica, config.parallelism.tensor_parallel_degree)
     job = Job(
         args, build_job, supervise, env, out,
         entries=(read_hostfile(args.hostfile) if args.hostfile
@@ -164,8 +165,7 @@ def prepare_job(args: argparse.Namespace, build_job, supervise, env: dict
         agent=remote.ssh_agent(args.mpi_arg), ranks_per_replica=ranks_per_replica,
         per_host=relaunch.ranks_per_host_of(args.mpi_arg, args.gpus_per_node or 0,
                                             args.ranks_per_gpu),
-        batch=(config.training.global_batch_size if config.training.global_batch_size > 0
-               else config.training.local_batch_size * args.replicas * fsdp),
+        initial_replicas=initial_replica_count(rc.initial_replicas, args.replicas),
         checkpoints=(Path(config.job.dump_folder) / config.checkpoint.folder
                      if config.checkpoint.enable else None),
         max_relaunches=rc.tiers.max_relaunches,
@@ -236,6 +236,7 @@ def _judge(job: Job, records: list[relaunch.RelaunchRecord], request: RelaunchRe
                                            job.max_relaunches),
                                   job.max_relaunches, hopeless)
     _keep_attempt(out, attempt, log_text)
+    job.fired += _read_jsonl(out / "faults_fired.jsonl")
     if isinstance(plan, str):
         return AttemptResult(Verdict.GIVE_UP, returncode, reason=plan)
     cause = "; ".join(f"{h}: {why}" for h, why in new.items()) or \
@@ -289,14 +290,14 @@ def _next_attempt(job: Job, plan: relaunch.Plan, record: relaunch.RelaunchRecord
     args = job.args
     current = copy.copy(args)
     current.replicas = plan.replicas
-    current.fault = []  # injected faults belong to the first attempt
+    current.fault = relaunch.unfired_faults(args.fault, job.fired)  # each fires once per run
     current.hostfile = str(_write_hostfile(job.out, record.attempt, plan.hosts)) \
         if args.hostfile else None
     current.overrides = [*args.overrides]
     if plan.resume_step:
         current.overrides += ["--checkpoint.load_step", str(plan.resume_step)]
-    elif plan.replicas != args.replicas:
-        current.overrides += ["--training.global_batch_size", str(job.batch)]  # B unchanged
+    if plan.replicas < job.initial_replicas:  # [Note: the relaunch keeps B] (relaunch.py)
+        current.overrides += ["--recover.initial_replicas", str(job.initial_replicas)]
     current.overrides += list(margins)
     try:
         command, _, _ = job.build_job(current)

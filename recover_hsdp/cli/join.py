@@ -66,6 +66,8 @@ def _report(out: Path, ok: bool) -> int:
               f"survivors stalled {last.get('join_stall_s', float('nan')):.2f}s); alive "
               f"{last.get('alive_replicas')}", flush=True)
         return 0
+    relaunched = " (the job was relaunched meanwhile: see relaunch/)" if any(
+        (out / "relaunch").glob("attempt-*")) else ""
     print("recover-hsdp: error: nothing joined (no replica was missing, or a process died during "
-          f"the join: see {out / 'events.jsonl'}); the job goes on", file=sys.stderr)
+          f"the join: see {out / 'events.jsonl'}){relaunched}; the job goes on", file=sys.stderr)
     return 1

@@ -31,6 +31,7 @@ from recover_hsdp.config import (
     check_batch_sizes,
     data_ranks_per_replica,
     deprecation_lines,
+    initial_replica_count,
     load_toml,
     validate,
     warn_deprecated,
@@ -142,7 +143,8 @@ def build_job(args: argparse.Namespace) -> tuple[list[str], Path, object]:
     job = read_job_config(args.config, train[2:])
     warn_deprecated(deprecation_lines(job))  # once, in this output
     check_batch_sizes(job.training.local_batch_size, job.training.global_batch_size,
-                      args.replicas, data_ranks_per_replica(
+                      initial_replica_count(job.recover.initial_replicas, args.replicas),
+                      data_ranks_per_replica(
                           ranks_per_replica, job.parallelism.tensor_parallel_degree))
     validate(job, world_size=ranks)
     from recover_hsdp.titan.model_spec import check_model_parallelism

@@ -18,20 +18,35 @@ rendezvous) ends it too. Those endings are "abnormal": mpirun returned and no su
 3. starts the job again (:func:`plan_relaunch`) on the hostfile's hosts minus the lost ones
    (hosts of the hostfile the job did not use are standby hosts), with as many replicas as
    fit (at most the original R), from the newest COMPLETE checkpoint (a ``step-N`` folder with
-   its ``.metadata``: :func:`newest_complete_checkpoint`); B is the checkpoint's (the policy
-   state is in it; G rises), and the data streams go on from the checkpoint's loader state;
+   its ``.metadata``: :func:`newest_complete_checkpoint`), else from step 0, keeping B
+   either way ([Note: the relaunch keeps B]);
    An attempt that ended before its first step because a live rank was declared dead (Open MPI
    aborts a rank "reported dead by someone else": :func:`false_detections`) lost no host
    through it: its hosts stay, and the next attempt gets twice the detection margin (also after
    ranks crashed on a failure notice inside MPI_Init: :func:`init_crashes`)
    (``detect_s`` and ``slow_phase_s``: :func:`wider_margins`, one line says so; [Note:
    detection margins by phase] in groups/heartbeat.py);
+   injected ``--fault`` specs that fired stay with their attempt, the others go on
+   (:func:`unfired_faults`);
 4. at most ``recover.tiers.max_relaunches`` times; every relaunch is a record in events.jsonl
    (``phase: relaunch``) and in summary.json (``relaunches``): cause, lost hosts, steps lost,
    seconds from the failure to training again. The outputs of an attempt are kept in
    ``relaunch/attempt-<k>/`` and merged at the end (:func:`merge_steps`): every step appears
    once, the steps after the checkpoint that the old job had done are replaced by the new
    job's.
+
+[Note: the relaunch keeps B] A relaunch onto fewer replicas than W_init keeps the in-job
+contract: B = W_init x G_init microbatches every step, the policy's roles and quotas as the
+in-job tier would set them for the survivors (majors with G raised, a minor where B does not
+divide), never a refusal for divisibility. From a checkpoint the policy state is in it (B, G,
+the stream cursors; the data go on from the loader state). Either way the relaunch passes
+``recover.initial_replicas = W_init``: the ranks build the policy for W_init replicas of which
+the launched R are alive (ids R .. W_init-1 start dead), G_init is
+``training.global_batch_size`` over W_init, the stream slots are W_init's (a relaunch from step
+0 reads what the in-job tier would after losing those replicas before step 1), and TorchTitan's
+own batch check sees only one replica (``data_parallel_replicate_degree = 1``,
+titan/trainer.py). The ids >= R are not refilled by a join ([Note: rejoin]); the next relaunch
+onto more hosts refills them.
 
 This module is the decision logic only (plain Python, tested in-process with fakes); the
 launcher (``recover_hsdp.cli.launch``) does the I/O.
@@ -228,6 +243,21 @@ def plan_relaunch(entries: list[HostEntry], lost: dict[str, str], ranks_per_repl
         return (f"no host left for a replica of {ranks_per_replica} rank(s) (lost: "
                 f"{', '.join(sorted(lost)) or 'none'})")
     return Plan(left, fit, checkpoint_step or 0)
+
+
+def unfired_faults(specs: list[str], fired: list[dict]) -> list[str]:
+    """The launcher's ``--fault`` specs that no attempt fired (``faults_fired.jsonl`` rows): an
+    injected fault fires once per run, so a relaunch keeps those its predecessors never
+    reached (e.g. after an attempt lost at start-up) and drops those that fired."""
+    from recover_hsdp.faults import FaultSpec
+
+    done = {(f["replica"], f["step"], f["phase"], f["mode"]) for f in fired}
+    out = []
+    for text in specs:
+        spec = FaultSpec.parse(text)
+        if (spec.replica, spec.step, spec.phase.value, spec.mode.value) not in done:
+            out.append(text)
+    return out
 
 
 def ranks_per_host_of(mpi_args: list[str], gpus_per_node: int, ranks_per_gpu: int) -> int | None:

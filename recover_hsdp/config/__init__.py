@@ -35,7 +35,8 @@ from recover_hsdp.config.aliases import (ALIASES, _move_aliases, deprecation_lin
                                          resolve_aliases, warn_deprecated)
 from recover_hsdp.config.checks import (STREAMING_DATASETS, check_batch_sizes,  # noqa: F401
                                         check_world_size, data_ranks_per_replica,
-                                        microbatches_per_replica, validate)
+                                        initial_replica_count, microbatches_per_replica,
+                                        validate)
 from recover_hsdp.config.sections import (SECTIONS, BadReplicas, Debug, Faults,  # noqa: F401
                                           Reduce, Tiers, Timeouts, Workload)
 from recover_hsdp.errors import ConfigError  # noqa: F401  (re-exported: the config's error type)
@@ -51,6 +52,13 @@ class Recover:
     """S, the ranks of one replica (its torch.distributed world): FSDP degree x
     ``parallelism.tensor_parallel_degree`` ([Note: replica layout]). The number of replicas R is
     the MPI world size divided by S. A replica lives or dies as a unit."""
+
+    initial_replicas: int = 0
+    """W_init, the replica count the batch contract B = W_init x G_init is set for (G_init from
+    ``training.global_batch_size`` over W_init replicas); 0: the launched count R. Larger than R:
+    the run starts as one that lost replicas R .. W_init-1 before step 1, the survivors hold B
+    with the policy's roles (majors, a minor). The relaunch tier sets it when it relaunches onto
+    fewer replicas ([Note: the relaunch keeps B] in cli/relaunch.py)."""
 
     workload: Workload = field(default_factory=Workload)
     """Which replica computes what: data assignment, spares, how G rises."""

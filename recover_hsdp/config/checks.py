@@ -40,6 +40,20 @@ def check_batch_sizes(local_batch_size: int, global_batch_size: int, replicas: i
                                     replicas * data_ranks_per_replica)
 
 
+def initial_replica_count(initial_replicas: int, launched: int) -> int:
+    """W_init of the batch contract (``recover.initial_replicas``; 0: the ``launched`` count R),
+    or a one-line ConfigError when it is below R or negative."""
+    if isinstance(initial_replicas, bool) or not isinstance(initial_replicas, int) \
+            or initial_replicas < 0:
+        raise ConfigError(f"recover.initial_replicas must be an integer >= 0 (got "
+                          f"{initial_replicas!r}): 0 means the launched replica count")
+    if initial_replicas and initial_replicas < launched:
+        raise ConfigError(f"recover.initial_replicas={initial_replicas} is below the {launched} "
+                          "replicas launched: set it to 0 (the launched count) or to at least "
+                          f"{launched}")
+    return initial_replicas or launched
+
+
 def data_ranks_per_replica(ranks_per_replica: int, tensor_parallel_degree: int) -> int:
     """D, the FSDP (data-parallel) degree inside a replica of S = D x T ranks, or a one-line
     ConfigError.
@@ -81,7 +95,8 @@ def validate(job_config, world_size: int | None = None) -> None:
     if world_size is not None:
         replicas = check_world_size(world_size, rc.ranks_per_replica)
         check_batch_sizes(job_config.training.local_batch_size,
-                          job_config.training.global_batch_size, replicas,
+                          job_config.training.global_batch_size,
+                          initial_replica_count(rc.initial_replicas, replicas),
                           data_ranks_per_replica(rc.ranks_per_replica,
                                                  job_config.parallelism.tensor_parallel_degree))
     for name in SECTIONS:

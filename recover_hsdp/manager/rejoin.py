@@ -131,7 +131,10 @@ class Rejoin:
             elif self.state is JoinState.READY:
                 self._attempt(step, work, policy)
             return
-        missing = [r for r in range(policy.initial_replicas) if r not in alive]
+        # the world's own ids only: a run launched below W_init ([Note: the relaunch keeps B]
+        # in cli/relaunch.py) has no place for ids >= R; the relaunch tier refills those
+        missing = [r for r in range(min(policy.initial_replicas, self.world.layout.num_replicas))
+                   if r not in alive]
         if not missing:
             if self.requests_seen and self.writer.is_writer:  # nothing to bring back
                 finish_requests(join_requests(self.out_dir), False)

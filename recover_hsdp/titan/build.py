@@ -49,16 +49,20 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
     the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
     rank's ``faults``. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap);
     ``heartbeat``: the replica group's (``ReplicaGroup.heartbeat``; None: none)."""
-    from recover_hsdp.config import data_ranks_per_replica, microbatches_per_replica
+    from recover_hsdp.config import (data_ranks_per_replica, initial_replica_count,
+                                     microbatches_per_replica)
     from recover_hsdp.recovery import BucketSync, local_parameter_checksum
 
     rc, training = job_config.recover, job_config.training
     out_dir = job_config.job.dump_folder
     tp = job_config.parallelism.tensor_parallel_degree  # [Note: replica layout] (config/checks.py)
     fsdp_degree = data_ranks_per_replica(placement.ranks_per_replica, tp)
+    # [Note: the relaunch keeps B] (cli/relaunch.py): W_init may exceed the launched count
+    w_init = initial_replica_count(rc.initial_replicas, placement.replicas)
     g = microbatches_per_replica(training.local_batch_size, training.global_batch_size,
-                                 placement.replicas * fsdp_degree)
-    policy = WorkloadPolicy(initial_replicas=placement.replicas, microbatches_per_replica=g,
+                                 w_init * fsdp_degree)
+    policy = WorkloadPolicy(initial_replicas=w_init, microbatches_per_replica=g,
+                            alive_replicas=range(placement.replicas),
                             keep_spares=rc.workload.keep_spares,
                             data_assignment=rc.workload.data_assignment,
                             g_raise=rc.workload.g_raise,

@@ -317,13 +317,16 @@ def resolve_replica_layout(job_config, dp_world_size: int, dp_rank: int) -> tupl
     (TorchTitan's data-parallel world: tensor-parallel peers share a rank, [Note: replica layout]).
 
     Stock HSDP: TorchTitan's data-parallel world is all R*D ranks, rank = r*D + d. MPI path:
-    TorchTitan only sees the replica's D data-parallel ranks; R and r come from the MPI bootstrap.
+    TorchTitan only sees the replica's D data-parallel ranks; r comes from the MPI bootstrap and
+    R is W_init, the stream slots (``recover.initial_replicas``, else the launched count).
     """
     if job_config.recover.enable:
+        from recover_hsdp.config import initial_replica_count
         from recover_hsdp.groups.bootstrap import current_placement  # MPI path only
 
-        layout = current_placement()
-        return layout.replicas, layout.replica, dp_world_size, dp_rank
+        layout = current_placement()  # W_init stream slots: [Note: the relaunch keeps B]
+        return (initial_replica_count(job_config.recover.initial_replicas, layout.replicas),
+                layout.replica, dp_world_size, dp_rank)
     shard_degree = job_config.parallelism.data_parallel_shard_degree
     replicate = job_config.parallelism.data_parallel_replicate_degree
     if shard_degree < 1:

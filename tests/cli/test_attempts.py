@@ -14,6 +14,7 @@ from recover_hsdp.cli import attempts, relaunch
 from recover_hsdp.cli import hosts as remote
 from recover_hsdp.cli.hostfile import HostEntry, parse_hostfile
 from recover_hsdp.cli.hosts import ssh_agent
+from recover_hsdp.faults import FaultSpec
 from recover_hsdp.cli.relaunch import (Evidence, daemon_hosts, ends_the_same_way, lost_hosts,
                                        merge_steps, newest_complete_checkpoint, plan_relaunch,
                                        ranks_per_host_of)
@@ -142,7 +143,7 @@ class FakeJob:
             recover=argparse.Namespace(tiers=argparse.Namespace(max_relaunches=2),
                                        timeouts=argparse.Namespace(detect_s=4.0,
                                                                    slow_phase_s=30.0),
-                                       ranks_per_replica=1),
+                                       ranks_per_replica=1, initial_replicas=0),
             parallelism=argparse.Namespace(tensor_parallel_degree=1),
             training=argparse.Namespace(global_batch_size=-1, local_batch_size=2),
             checkpoint=argparse.Namespace(enable=True, folder=str(self.ckpt)),
@@ -154,6 +155,11 @@ class FakeJob:
         args = self.commands[-1]
         steps, log, procs, summary = self.script[len(self.commands) - 1](args)
         (out / "procs.json").write_text(json.dumps(procs))
+        with open(out / "faults_fired.jsonl", "w") as f:   # a fault of a step run fired
+            for spec in map(FaultSpec.parse, args.fault):
+                if spec.step in steps:
+                    f.write(json.dumps({"replica": spec.replica, "step": spec.step,
+                                        "phase": spec.phase.value, "mode": spec.mode.value}) + "\n")
         with open(out / "metrics.jsonl", "w") as f:
             for step in steps:
                 f.write(json.dumps({"step": step, "loss": float(step),
@@ -221,6 +227,36 @@ def test_driver_relaunches_from_the_newest_complete_checkpoint(tmp_path, monkeyp
     assert (out / "relaunch" / "attempt-0" / "mpirun-tail.log").read_text() == lost_daemon
 
 
+
+def test_a_relaunch_onto_fewer_replicas_keeps_b_without_a_checkpoint(tmp_path, monkeypatch):
+    """[Note: the relaunch keeps B]: 3 replicas, no standby host, no checkpoint, node 2 lost
+    after step 3: the relaunch from step 0 runs 2 replicas with recover.initial_replicas = 3
+    (B = 3 x G_init, a minor), never training.global_batch_size, whatever B's divisibility."""
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    out.mkdir()
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{h} slots=8\n" for h in HOSTS[:3]))
+    monkeypatch.setattr(remote, "host_names", lambda agent, hosts, timeout=0:
+                        {h: ALIASES[h] for h in hosts})
+    monkeypatch.setattr(remote, "kill_remote", lambda agent, by_host, timeout=0: {})
+    monkeypatch.setattr(attempts.socket, "gethostname", lambda: "n0")
+    job = FakeJob(out, ckpt, [
+        lambda a: (range(1, 4), LOST_DAEMON.replace("rh22bn2", "n2"),
+                   _procs(["n0", "n1", "n2"]), False),
+        lambda a: (range(1, 11), "", _procs(["n0", "n1"]), True)])
+    args = argparse.Namespace(
+        replicas=3, ranks_per_replica=None, gpus_per_node=0, ranks_per_gpu=1, hostfile=None,
+        mpi_arg=["--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent", "/agent",
+                 "--map-by", "ppr:1:node"], fault=[], overrides=["--training.steps", "10"],
+        end_grace=1.0)
+    assert attempts.train_with_relaunch(args, job.build_job, job.supervise, {}) == 0
+    second = job.commands[1]
+    assert second.replicas == 2
+    assert second.overrides == ["--training.steps", "10", "--recover.initial_replicas", "3"]
+    assert not any("global_batch_size" in o or "load_step" in o for o in second.overrides)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["relaunches"][0]["resume_step"] == 0
+
 FALSELY_ACCUSED = ("[n1:123] [[1,1],4] ompi_proc_mark_as_failed: I have been reported dead by "
                    "someone else. This is abnormal: since the current rank is executing this "
                    "code, the failure detector made a mistake.\n")
@@ -253,9 +289,12 @@ def test_false_detection_at_start_up_widens_the_margins_and_loses_no_host(tmp_pa
     args = argparse.Namespace(
         replicas=3, ranks_per_replica=None, gpus_per_node=0, ranks_per_gpu=1, hostfile=None,
         mpi_arg=["--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent", "/agent",
-                 "--map-by", "ppr:1:node"], fault=[], overrides=[], end_grace=1.0)
+                 "--map-by", "ppr:1:node"], fault=["replica=1,step=2,phase=grad_sync"],
+        overrides=[], end_grace=1.0)
     attempts.train_with_relaunch(args, job.build_job, job.supervise, {})
     second, third = job.commands[1], job.commands[2]
+    # a fault fires once per run: kept by the relaunch after the start-up, fired in attempt 2
+    assert second.fault == ["replica=1,step=2,phase=grad_sync"] and third.fault == []
     assert second.overrides[-4:] == ["--recover.timeouts.detect_s", "8",
                                      "--recover.timeouts.slow_phase_s", "60"]
     assert Path(second.hostfile).read_text().split()[::2] == [f"10.0.0.{i}" for i in (1, 2, 3, 4)]

@@ -84,6 +84,19 @@ def test_world_size_not_matching_ranks_per_replica_is_refused_in_one_line():
     assert check_world_size(4, 2) == 2
 
 
+
+def test_initial_replicas_below_the_launched_count_is_refused_in_one_line():
+    """[Note: the relaunch keeps B]: W_init is at least R; 0 is R."""
+    from recover_hsdp.config import initial_replica_count
+    from recover_hsdp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"recover.initial_replicas=2 is below the 3 replicas "
+                       "launched: set it to 0"):
+        initial_replica_count(2, 3)
+    with pytest.raises(ConfigError, match="recover.initial_replicas must be an integer >= 0"):
+        initial_replica_count(-1, 3)
+    assert initial_replica_count(0, 3) == 3 and initial_replica_count(3, 2) == 3
+
 @pytest.mark.slow  # default suite: the check itself is tested above, in-process
 def test_world_size_not_matching_ranks_per_replica(tmp_path):
     """mpirun -np 3 with ranks_per_replica 2: every rank stops with the one-line error.

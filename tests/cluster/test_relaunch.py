@@ -41,14 +41,14 @@ def failure_free_3x1(tmp_path_factory, local_corpus):
     return read_jsonl(root / "run" / "metrics.jsonl")
 
 
-def _launch(cluster: NetnsCluster, root):
-    """``recover-hsdp train`` from node 0 with the cluster's 4-host hostfile, one rank per
-    node: 3 replicas on nodes 0-2, node 3 a standby host."""
+def _launch(cluster: NetnsCluster, root, train=TRAIN):
+    """``recover-hsdp train`` from node 0 with the cluster's hostfile, one rank per node:
+    3 replicas on nodes 0-2, node 3 (if any) a standby host."""
     out = root / "run"
     mpi = [*cluster.mpirun_args(), "--map-by", "ppr:1:node"]
     argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(DEBUG_CONFIG),
             "--replicas", str(REPLICAS), "--out", str(out), "--end-grace", "10",
-            *[f"--mpi-arg={a}" for a in mpi], "--", *TRAIN,
+            *[f"--mpi-arg={a}" for a in mpi], "--", *train,
             "--checkpoint.folder", str(root / "ckpt")]
     log = open(root / "run.log", "w")
     proc = cluster.popen(0, argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
@@ -72,11 +72,11 @@ def _kill_at_startup(cluster: NetnsCluster, out, proc, rank: int = 2, timeout: f
     raise AssertionError("no start-up record")
 
 
-def _run(tmp_path, fault: str, salt: int):
+def _run(tmp_path, fault: str, salt: int, nodes: int = 4, train=TRAIN):
     root = tmp_path
     prefix, subnet = _names(f"r{fault[0]}", salt)
-    with NetnsCluster(4, prefix=prefix, subnet=subnet) as cluster:
-        out, proc, log = _launch(cluster, root)
+    with NetnsCluster(nodes, prefix=prefix, subnet=subnet) as cluster:
+        out, proc, log = _launch(cluster, root, train)
         if fault == "startup":
             _kill_at_startup(cluster, out, proc)
         else:
@@ -88,7 +88,7 @@ def _run(tmp_path, fault: str, salt: int):
         rc, wall, _ = _finish(proc, out, timeout=400)
         log.close()
         text = (root / "run.log").read_text()
-        reachable = [cluster.names[i] for i in (0, 1, 3)]
+        reachable = [cluster.names[i] for i in range(nodes) if i != 2]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             left = {n: p for n, p in cluster.leftover_pids().items() if n in reachable}
@@ -153,3 +153,36 @@ def test_death_before_the_world_is_built_is_relaunched(tmp_path, failure_free_3x
     fail in the bootstrap all-gather, the job ends; the launcher relaunches from scratch
     without node 2 (its start-up record says its rank died hard)."""
     _check(*_run(tmp_path, "startup", 47), failure_free_3x1, startup=True)
+
+
+@pytest.mark.slow  # the in-process driver test shows the arguments; one real job proves the path
+def test_lost_node_without_standby_or_checkpoint_keeps_b(tmp_path, failure_free_3x1):
+    """[Note: the relaunch keeps B] Real process: 3 nodes, no standby host, no checkpoint;
+    node 2 SIGKILLed with its daemon after step 3: PRRTE ends the job and the launcher relaunches
+    it from step 0 onto the 2 replicas that fit, with recover.initial_replicas = 3: B = 3 every
+    step (measured; the ledger: a major of 2, a minor of 1), the failure-free loss (exact mode), exit 0."""
+    train = [a for a in TRAIN if a not in ("--checkpoint.enable", "--checkpoint.interval", "2")]
+    out, rc, text, left, lost_addr, lost_name = _run(tmp_path, "kill", 53, nodes=3, train=train)
+    assert rc == 0, text[-5000:]
+    steps = read_jsonl(out / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), text[-3000:]
+    assert all(s["reduced_microbatches"] == REPLICAS for s in steps), steps   # B, measured
+    assert [s["alive_replicas"] for s in steps] == [2] * STEPS   # every step redone on 2
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, failure_free_3x1)]
+    assert max(diffs) <= 1e-3, diffs
+    (record,) = [e for e in read_jsonl(out / "events.jsonl") if e.get("phase") == "relaunch"]
+    assert list(record["lost_hosts"]) == [lost_addr] and record["replicas"] == 2, record
+    assert record["resume_step"] == 0, record
+    assert "no relaunch" not in text
+    ledger = read_jsonl(out / "ledger.jsonl")
+    assert [e["step"] for e in ledger] == list(range(STEPS))
+    for entry in ledger:   # the policy's roles for 2 of W_init = 3, every id of the step once
+        roles = {r: (a["role"], len(a["committed"])) for r, a in entry["replicas"].items()}
+        assert roles == {"0": ("major", 2), "1": ("minor", 1)}, entry
+        ids = sorted(i for a in entry["replicas"].values() for i in a["committed"])
+        assert ids == list(range(entry["step"] * 3, entry["step"] * 3 + 3)), entry
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["attempts"] == 2 and summary["steps"] == STEPS
+    hosts = [p["host"] for p in json.loads((out / "procs.json").read_text())]
+    assert lost_name not in hosts and len(hosts) == 2, hosts
+    assert not left, left

@@ -59,6 +59,20 @@ def test_exact_mode_two_deaths_stays_on_failure_free_trajectory(tmp_path, failur
     assert summary["alive_replicas"] == 2
 
 
+
+def test_a_run_launched_below_its_initial_replicas_keeps_b(tmp_path, failure_free):
+    """[Note: the relaunch keeps B] (what a relaunch onto fewer replicas runs): 3 replicas
+    launched with recover.initial_replicas = 4 commit B = 4 every step with the policy's roles for
+    3 of 4 (two majors of G = 2, a spare), the failure-free 4-replica trajectory.
+    Real process: the launcher's batch check, the ranks' policy and data under mpirun."""
+    _, steps = _train(tmp_path, "--recover.initial_replicas", "4", replicas=3)
+    _assert_b_every_step(steps, final_alive=3)
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, failure_free["exact"])]
+    assert max(diffs) <= 1e-3, diffs
+    for entry in read_jsonl(tmp_path / "ledger.jsonl"):
+        roles = {r: (a["role"], len(a["committed"])) for r, a in entry["replicas"].items()}
+        assert roles == {"0": ("major", 2), "1": ("major", 2), "2": ("spare", 0)}, entry
+
 @pytest.mark.soak  # the writer hand-over is proven in-process and by the writer deaths (slow)
 def test_global_rank_0_killed_outputs_move_to_lowest_survivor(tmp_path, local_corpus):
     """Rank 0 dies after step 3 was agreed but before it wrote step 3's records: the new
