@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         torchtitan.train.main(trainer_class)
     except ConfigError as err:
         print(f"recover-hsdp: config error: {err}", file=sys.stderr, flush=True)
+        if mpirun and not stock:  # the relaunch tier: a configuration error ends the same way
+            _start_record(argv, exited=f"SystemExit: 2 (config error: {str(err)[:150]})")
         sys.exit(2)
     except BaseException as err:
         if mpirun and not stock:

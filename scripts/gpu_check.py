@@ -28,6 +28,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 CONFIG = REPO / "torchtitan_configs" / "debug_cpu.toml"
 STEPS = 8        # the oracle run
 REJOIN_STEPS = {False: 40, True: 400}
+SIZES = 5  # benchmarks/staging_bench.py's default --sizes-mb
 """Steps of the failure + rejoin runs (CPU dry run, GPU): enough for the newcomer's start-up
 (seconds) to end before the run does."""
 
@@ -104,8 +105,12 @@ def check_staging(gpu: bool) -> bool:
                str(REPO / "benchmarks" / "staging_bench.py"), "--device",
                "cuda" if gpu else "cpu"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
-    print("\n".join("  " + line for line in result.stdout.splitlines() if "staging" in line))
-    return result.returncode == 0
+    lines = [line for line in result.stdout.splitlines() if line.startswith("staging ")]
+    print("\n".join("  " + line for line in lines))
+    # read from the bench's own lines, not mpirun's exit code (0 under ULFM when ranks crash):
+    # one line per size, on the device asked for
+    device = "cuda" if gpu else "cpu"
+    return len(lines) == SIZES and all(f"({device})" in line for line in lines)
 
 
 def main(argv=None) -> int:

@@ -202,15 +202,17 @@ GPUS_PER_NODE_ENV = "RECOVER_HSDP_GPUS_PER_NODE"
 EXPORTED_ENV = "RECOVER_HSDP_EXPORTED"
 """Comma-separated names the launcher exported with ``-x``: a spawned newcomer gets them too."""
 
-JOB_ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "PATH", "PYTHONPATH",
-                 "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT")
+# Not CUDA_VISIBLE_DEVICES: it names the devices of one host (the launcher's, or a Slurm
+# step's); every host's ranks take their own host's (the local ones inherit mpirun's)
+JOB_ENV_NAMES = ("LD_LIBRARY_PATH", "PATH", "PYTHONPATH", "OMP_NUM_THREADS", "MASTER_ADDR",
+                 "MASTER_PORT")
 JOB_ENV_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "HF_", "RECOVER_HSDP_")
 
 
 def job_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables every rank of a job inherits: the launcher exports them (``-x``) and a
-    rank spawned later (rejoin) gets the same from its spawner: CUDA_VISIBLE_DEVICES, NCCL_*,
-    TORCH_*, GLOO_*, HF_*, RECOVER_HSDP_*, LD_LIBRARY_PATH, PATH, PYTHONPATH, OMP_NUM_THREADS,
+    rank spawned later (rejoin) gets the same from its spawner: NCCL_*, TORCH_*, GLOO_*, HF_*,
+    RECOVER_HSDP_*, LD_LIBRARY_PATH, PATH, PYTHONPATH, OMP_NUM_THREADS,
     and every name listed in ``RECOVER_HSDP_EXPORTED``. (Open MPI's own OMPI_*/PMIX_*/PRTE_*
     variables are the spawned job's own and are never copied.) The newcomer marker
     ``RECOVER_HSDP_NEWCOMER`` is the caller's to set."""

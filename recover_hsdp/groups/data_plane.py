@@ -31,6 +31,16 @@ does. An abandoned group is never used again and never destroyed collectively (i
 are dead); NCCL communicators are aborted. Every call reduces a private copy of the bucket,
 so an abandoned call can never write into a bucket after it was restored from its snapshot.
 
+[Note: no watchdog decides on the data plane] torch's NCCL watchdog tears the whole process
+down on an asynchronous NCCL error when ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is 3 (torch's
+default, and the replica group's own setting: a replica leaves as a unit). A dead peer of a
+data-plane group is such an error on every survivor, and the watchdog's poll (~100 ms) would
+beat the control plane's (``poll_s``): healthy survivors killed. So every data-plane NCCL
+group is built with the variable at 0 (``DATA_PLANE_NCCL_ENV``, set around the constructor
+that reads it, under a lock): its watchdog only records errors, the control plane abandons
+the call and aborts the communicator. (GPU-only: checked on CPU on the environment the
+constructor sees, tests/groups/test_data_plane.py; not run on a GPU yet.)
+
 Invariant kept: which replicas are alive and whether an epoch was clean is decided only by
 the consensus, exactly as on the MPI plane, so B per step and the epoch tags are unchanged.
 
@@ -42,6 +52,8 @@ fp32 one (docs/data_plane.md).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from datetime import timedelta
@@ -57,6 +69,26 @@ from recover_hsdp.groups import rendezvous
 from recover_hsdp.recovery.planes import MpiDataPlane
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: [Note: no watchdog decides on the data plane]: the environment a data-plane NCCL group is
+#: built under (read by ProcessGroupNCCL's constructor)
+DATA_PLANE_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environment(overrides: dict[str, str]):
+    """``overrides`` in os.environ for the block (one block at a time), then the old values."""
+    with _ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in overrides}
+        os.environ.update(overrides)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 #: Abandoned groups, referenced until the process ends (``TorchDataPlane._abandon``).
 _NEVER_DESTROYED: list[Any] = []
@@ -272,7 +304,8 @@ class TorchDataPlane:
             return dist.ProcessGroupGloo(store, rank, size, options)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = self.timeout
-        group = dist.ProcessGroupNCCL(store, rank, size, options)
+        with _environment(DATA_PLANE_NCCL_ENV):  # [Note: no watchdog decides on the data plane]
+            group = dist.ProcessGroupNCCL(store, rank, size, options)
         if self.device is not None:  # eager communicator on this rank's device
             group.eager_connect_single_device(self.device)
         return group

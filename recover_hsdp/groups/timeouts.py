@@ -16,6 +16,13 @@
                               TORCH_NCCL_ASYNC_ERROR_HANDLING=3: kill)
   ==========================  ============================================  ===================
 
+On the data plane's groups (``plane = "torch"``) the control plane decides on both backends: a
+dead, frozen or cut-off peer is seen by MPI (detector or error, detect_timeout_s), the waiting
+call is abandoned at the next poll (10 ms) and the group given up (NCCL: aborted); their
+backend timeout is the replica group's (a last resort) and their NCCL watchdog never kills
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``: [Note: no watchdog decides on the data plane] in
+groups/data_plane.py).
+
 Invariant, asserted at start-up: detect_timeout_s < H < call_s < repair_s < the group timeout.
 The group timeout exceeds the longest legitimate wait of a healthy rank in MPI (one call that
 runs to its deadline, then one repair step to its own), so neither gloo nor the NCCL watchdog

@@ -3,12 +3,15 @@
 TorchTitan takes ``cuda:<LOCAL_RANK>``; :func:`select_device` sets ``LOCAL_RANK`` to the device
 index this rank may use, checked against the devices it sees, and binds the process to that
 GPU's NUMA node where the host tells it (``/sys/bus/pci/devices/<bus id>/numa_node``). On a
-host without CUDA it does nothing. GPU-only code: not run on this project's CPU machines.
+CPU job without CUDA it does nothing; a GPU job whose rank sees no device is refused
+(:func:`check_cpu_is_expected`). The device path itself is GPU-only code, not run on this
+project's CPU machines.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Mapping
 
@@ -41,13 +44,18 @@ def select_device(ranks_per_replica: int, own_device=None) -> int | None:
     """Under mpirun on a CUDA host: check and set this rank's device (``LOCAL_RANK``) and bind
     it to the device's NUMA node. ``own_device``: callable telling whether this rank's single
     visible device is its own (a per-rank CUDA_VISIBLE_DEVICES; checked over MPI by the
-    caller). Raises ConfigError (one line) on a mismatch. None when there is no CUDA."""
+    caller). Raises ConfigError (one line) on a mismatch, and when the job is a GPU job (the
+    launcher exported its GPUs per node) but this rank sees no CUDA device: never a silent
+    fall-back to CPU. None on a CPU job."""
     import torch
 
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if visible == 0 or "OMPI_COMM_WORLD_LOCAL_RANK" not in os.environ:
-        return None
     env = os.environ
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if "OMPI_COMM_WORLD_LOCAL_RANK" not in env:
+        return None
+    if visible == 0:
+        check_cpu_is_expected(env, torch.version.cuda)
+        return None
     slot, slots = rank_slot(env, int(env.get("OMPI_COMM_WORLD_RANK", 0)), ranks_per_replica)
     # every rank of the host asks (a collective in the caller), whatever it sees
     per_rank = bool(own_device()) if own_device is not None and slots > 1 else False
@@ -59,6 +67,21 @@ def select_device(ranks_per_replica: int, own_device=None) -> int | None:
     env["LOCAL_RANK"] = str(index)
     bind_to_numa_node(index)
     return index
+
+
+def check_cpu_is_expected(environ: Mapping[str, str], torch_cuda: str | None) -> None:
+    """A rank that sees no CUDA device: fine on a CPU job, a one-line ConfigError on a GPU job
+    (``RECOVER_HSDP_GPUS_PER_NODE`` > 0: ``--gpus-per-node``, or the launching host's GPUs)."""
+    gpus = int(environ.get(GPUS_PER_NODE_ENV, 0) or 0)
+    if gpus <= 0:
+        return
+    why = ("this torch has no CUDA (a CPU wheel)" if torch_cuda is None else
+           f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r}"
+           if "CUDA_VISIBLE_DEVICES" in environ else "the driver shows none")
+    raise ConfigError(
+        f"rank {environ.get('OMPI_COMM_WORLD_RANK', '?')} on {socket.gethostname()} sees no "
+        f"CUDA device ({why}) but the job was launched for {gpus} GPU(s) per node: give this "
+        "host's ranks their GPUs, or run on CPU with --gpus-per-node 0")
 
 
 def bind_to_numa_node(index: int) -> list[int] | None:

@@ -274,8 +274,8 @@ class RecoverTrainer(Trainer):
     def spawn_command(self, replicas: list[int]) -> tuple[str, list[str]]:
         """``/usr/bin/env NAME=VALUE ... python -m recover_hsdp.train <this rank's arguments>``:
         the newcomer gets the job's environment (``job_environment``: what the launcher
-        exported with -x, CUDA_VISIBLE_DEVICES, NCCL_*, LD_LIBRARY_PATH, PATH, ...; MPI_Comm_spawn
-        passes none of it) and the newcomer marker."""
+        exported with -x, NCCL_*, LD_LIBRARY_PATH, PATH, ...; MPI_Comm_spawn passes none of it;
+        never CUDA_VISIBLE_DEVICES, its host's own) and the newcomer marker."""
         env = {**job_environment(os.environ),
                NEWCOMER_ENV: f"{','.join(map(str, replicas))}:"
                              f"{self.replica_world.layout.replicas}"}

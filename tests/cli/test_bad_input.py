@@ -97,7 +97,7 @@ def test_initial_replicas_below_the_launched_count_is_refused_in_one_line():
         initial_replica_count(-1, 3)
     assert initial_replica_count(0, 3) == 3 and initial_replica_count(3, 2) == 3
 
-@pytest.mark.slow  # default suite: the check itself is tested above, in-process
+@pytest.mark.soak  # CI time: the check itself is tested above, in-process
 def test_world_size_not_matching_ranks_per_replica(tmp_path):
     """mpirun -np 3 with ranks_per_replica 2: every rank stops with the one-line error.
     Only a real mpirun proves: every rank stops by itself (none waits for the others)."""

@@ -131,10 +131,11 @@ def test_spawned_ranks_inherit_the_job_environment(monkeypatch):
     program, args = RecoverTrainer.spawn_command(work, [1, 3])
     assert program == "/usr/bin/env"
     env = dict(a.split("=", 1) for a in args[:args.index(__import__("sys").executable)])
-    for name in ("CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "LD_LIBRARY_PATH", "HF_HOME",
+    for name in ("NCCL_SOCKET_IFNAME", "LD_LIBRARY_PATH", "HF_HOME",
                  "MY_FLAG", "OMP_NUM_THREADS", "PATH"):
         assert name in env, name
     assert "OMPI_COMM_WORLD_RANK" not in env and "UNRELATED" not in env
+    assert "CUDA_VISIBLE_DEVICES" not in env   # the spawner's host's devices, not the newcomer's
     assert env[NEWCOMER_ENV] == "1,3:4"
     assert job_environment({"RECOVER_HSDP_NEWCOMER": "1:2"}) == {}
 
@@ -156,17 +157,91 @@ def test_no_cuda_no_device_selection(monkeypatch):
     assert select_device(1, own_device=lambda: pytest.fail("no collective without CUDA")) is None
 
 
-def test_gpu_check_skips_in_one_line_without_a_gpu():
-    import subprocess
+def test_a_gpu_job_whose_rank_sees_no_device_is_refused_in_one_line(monkeypatch):
+    """No silent CPU: a rank of a GPU job (the launcher exported its GPUs per node) that sees
+    no CUDA device refuses, naming why; a CPU job's rank goes on."""
+    from recover_hsdp.titan.devices import check_cpu_is_expected, select_device
 
-    import torch
+    env = {"OMPI_COMM_WORLD_RANK": "3", "RECOVER_HSDP_GPUS_PER_NODE": "8",
+           "CUDA_VISIBLE_DEVICES": ""}
+    with pytest.raises(ConfigError, match=r"rank 3 on .* sees no CUDA device "
+                       r"\(CUDA_VISIBLE_DEVICES=''\) but the job was launched for 8 GPU\(s\) "
+                       "per node: .* --gpus-per-node 0"):
+        check_cpu_is_expected(env, "12.8")
+    with pytest.raises(ConfigError, match=r"this torch has no CUDA \(a CPU wheel\)"):
+        check_cpu_is_expected({"RECOVER_HSDP_GPUS_PER_NODE": "1"}, None)
+    check_cpu_is_expected({"RECOVER_HSDP_GPUS_PER_NODE": "0"}, None)   # a CPU job
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    monkeypatch.setenv("RECOVER_HSDP_GPUS_PER_NODE", "1")
+    with pytest.raises(ConfigError, match="sees no CUDA device"):
+        select_device(1)
+
+
+def _gpu_check(path_dir=None):
+    import os
+    import subprocess
 
     from conftest import REPO
 
+    env = dict(os.environ)
+    if path_dir is not None:
+        env["PATH"] = f"{path_dir}:{env['PATH']}"
+    return subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def test_gpu_check_skips_in_one_line_only_without_an_nvidia_gpu():
+    import shutil
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("an NVIDIA driver is here: run scripts/gpu_check.sh itself")
+    result = _gpu_check()
+    assert result.returncode == 0
+    assert result.stdout.strip() == ("gpu_check: SKIP: no NVIDIA GPU on this machine "
+                                     "(nvidia-smi -L lists none); nothing was run")
+
+
+def test_gpu_check_fails_when_the_gpu_is_there_and_torch_cannot_use_it(tmp_path):
+    """A driver that lists a GPU (a fake nvidia-smi) and this machine's torch without CUDA:
+    FAIL, exit non-zero; never the skip that passes without running anything."""
+    import torch
+
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: run scripts/gpu_check.sh itself")
-    result = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0
-    assert result.stdout.strip() == ("gpu_check: SKIP: no CUDA GPU on this machine "
-                                     "(torch.cuda.device_count() = 0); nothing was run")
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-00000000-fake)'\n")
+    fake.chmod(0o755)
+    result = _gpu_check(tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.startswith("gpu_check: FAIL: nvidia-smi lists 1 GPU(s) but torch in ")
+    assert "sees 0 (torch.version.cuda=None) CUDA devices" in result.stdout
+
+
+@pytest.mark.slow  # default suite time (~30 s of imports): the refusal itself is tested above
+def test_a_gpu_job_on_ranks_without_a_gpu_is_refused_not_trained_on_cpu(tmp_path):
+    """No silent CPU: ``--gpus-per-node 1`` here, where no rank sees a CUDA device: every rank
+    refuses in one line naming why, the job ends without a step and is not relaunched (it
+    would end the same way), and none of its processes is left.
+    Real process: the launcher's GPU layout and the ranks' device check under mpirun."""
+    import json
+    import os
+
+    import torch
+
+    from conftest import run_cli
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    out = tmp_path / "run"
+    result = run_cli(["train", "--config", str(DEBUG_CONFIG), "--replicas", "2",
+                      "--gpus-per-node", "1", "--ranks-per-gpu", "2", "--out", str(out), "--",
+                      "--training.steps", "2"], timeout=180)
+    assert result.returncode != 0, result.stdout[-2000:]
+    refusals = [line for line in result.stderr.splitlines() if "sees no CUDA device" in line]
+    assert len(refusals) == 2, result.stderr[-3000:]   # one line per rank
+    assert "but the job was launched for 1 GPU(s) per node" in refusals[0]
+    assert "not relaunched" in result.stderr, result.stderr[-2000:]
+    assert not (out / "metrics.jsonl").exists()
+    for record in (out / "start").glob("rank*.json"):
+        pid = json.loads(record.read_text())["pid"]
+        assert not os.path.exists(f"/proc/{pid}"), f"rank process {pid} outlived the job"

@@ -88,7 +88,8 @@ def _node_of(out, replica: int) -> int:
 
 
 @pytest.mark.parametrize("fault, nodes", [
-    pytest.param("link_down", 3, marks=pytest.mark.slow),  # test_replica_across_hosts cuts one
+    # CI time: test_replica_across_hosts and test_relaunch's cut link cut one (in-job tier first)
+    pytest.param("link_down", 3, marks=pytest.mark.soak),
     pytest.param("frozen_rank", 3, marks=pytest.mark.soak),  # the cut link runs in CI
     # default suite time: test_real_failures' frozen 2 x 2 rank; across hosts: the cut link
     pytest.param("frozen_rank", 4, marks=pytest.mark.soak),
@@ -172,6 +173,7 @@ def test_crashed_node_with_its_daemon_ends_the_job_cleanly(tmp_path):
         assert cluster.leftover_pids() == {}
 
 
+@pytest.mark.slow  # default suite time (CI runs it): tests/manager/test_rejoin_protocol in process
 def test_replacement_joins_on_a_standby_host(tmp_path):
     """Issue 13 on a cluster: a job of 2 replicas on nodes 0 and 1 of a 3-node allocation (node 2
     stands by, in the hostfile); replica 1 is SIGKILLed at step 3; an operator on node 2 runs

@@ -131,7 +131,7 @@ def _check(out, rc, text, left, lost_addr, lost_name, reference, startup=False, 
     return record
 
 
-@pytest.mark.slow  # default suite time (CI runs it): the standby join is the default cluster job
+@pytest.mark.soak  # CI time: a node killed with its daemon is the no-standby case below (slow)
 def test_node_killed_with_its_daemon_is_relaunched(tmp_path, failure_free_3x1):
     """Real process: node 2 SIGKILLed with its PRRTE daemon after step 3: PRRTE ends the job,
     the launcher relaunches it without node 2, from the step-2 checkpoint, on the standby."""

@@ -275,3 +275,31 @@ def test_transport_is_checked_at_launch_in_one_line():
     check_transport("ofi", find_library=lambda name: f"lib{name}.so")  # libraries found: ok
     line = mpirun_prefix(2, transport="uct")
     assert line[line.index("btl") + 1] == "uct,self" and "tcp,self" not in line
+
+
+def test_nccl_data_plane_groups_are_built_with_the_watchdogs_teardown_off(monkeypatch):
+    """[Note: no watchdog decides on the data plane]: the NCCL group's constructor sees
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=0 whatever the process has (the replica group's 3), and the
+    process's value is back afterwards. (CPU: the constructor is a recorder; torch's NCCL
+    class needs a GPU.)"""
+    import os
+
+    import torch.distributed as dist
+
+    from recover_hsdp.groups import data_plane
+
+    seen = {}
+
+    class Recorder:
+        Options = dist.ProcessGroupNCCL.Options if hasattr(dist, "ProcessGroupNCCL") else \
+            type("Options", (), {})
+
+        def __init__(self, store, rank, size, options):
+            seen["handling"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", Recorder, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    plane = data_plane.TorchDataPlane(world=None, backend="nccl")
+    plane._new_group(store=None, rank=0, size=2, address="127.0.0.1")
+    assert seen == {"handling": "0"}
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"

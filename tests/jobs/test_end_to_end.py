@@ -37,7 +37,8 @@ TWO_KILLS = ["replica=1,step=3,phase=grad_sync", "replica=2,step=6,phase=backwar
 
 # torch: slow (default suite time: on torch the 2 x 2 oracle kill (test_recovery_oracle) and the
 # frozen 2 x 2 rank (test_real_failures) run in the default suite)
-@pytest.mark.parametrize("data_plane", ["mpi", pytest.param("torch", marks=pytest.mark.slow)])
+# CI time: the torch plane's kills are test_recovery_oracle's 2 x 2 (slow) and the frozen 2 x 2 rank
+@pytest.mark.parametrize("data_plane", ["mpi", pytest.param("torch", marks=pytest.mark.soak)])
 def test_exact_mode_two_deaths_stays_on_failure_free_trajectory(tmp_path, failure_free,
                                                                 data_plane):
     """Real process: two replicas SIGKILLed mid-sync under mpirun; TorchTitan's loss stays the

@@ -86,7 +86,7 @@ def test_frozen_rank_is_declared_dead_and_nothing_is_left_behind(tmp_path, failu
     assert event["detect_s"] < 15, event  # detect_timeout_s = 4 (+ a loaded 2-core host)
 
 
-@pytest.mark.slow  # default suite time: in-process + the 2 x 2 case
+@pytest.mark.soak  # CI time: in-process + the 2 x 2 case (default suite)
 def test_error_inside_a_replica_makes_only_that_replica_leave(tmp_path, failure_free):
     """A RuntimeError in replica 1's forward at step 3 (what a CUDA OOM raises), then one in
     replica 3's optimizer step at step 6: each replica leaves as a unit with its error text in
@@ -118,7 +118,7 @@ def test_error_in_one_rank_of_a_2x2_replica_takes_the_replica_out(tmp_path, data
     assert "rank 3 step 2: RuntimeError: injected fault" in " ".join(event["errors"]["1"])
 
 
-@pytest.mark.slow  # default suite time: in-process + the 2 x 2 case
+@pytest.mark.soak  # CI time: in-process (test_manager's writer deaths) + the 2 x 2 case
 def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
     """Rank 0 (the writer) is SIGKILLed after the last step's commit, while it writes the run's
     final outputs: the next writer writes the summary and the launcher reports success.
@@ -133,7 +133,7 @@ def test_writer_dies_while_writing_the_run_outputs(tmp_path, failure_free):
     assert event["phase"] == "end of run" and event["dead_replicas"] == [0]
 
 
-@pytest.mark.slow  # default suite time: the 2 x 2 case covers it
+@pytest.mark.soak  # CI time: the 2 x 2 start-up death (slow) covers it
 def test_death_while_the_model_is_built_is_survived(tmp_path, failure_free):
     """Replica 2 is SIGKILLed at start-up, after its process group formed and before the model
     is built (the world is built first: a death from there on is found by step 1's
