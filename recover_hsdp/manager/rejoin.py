@@ -225,7 +225,7 @@ class Rejoin:
             world.layout.num_replicas, donor,
             {"step": step, "arbiter": world.arbiter_dir, "step_started": join.step_started,
              "lost_since": self._lost_since})  # the newcomers' respawn clock
-        moved = sum(int(b.nbytes) for b in work.join_tensors())  # the same on every replica
+        moved = work.join_nbytes()  # the same on every replica; nothing staged for it
         record.update(donor=donor, bytes_per_donor_rank=moved)
         ok = channel.exchange(offer, world.world_rank, ProcessInfo.current()) is not None
         sending = time.perf_counter()

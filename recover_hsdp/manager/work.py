@@ -44,7 +44,12 @@ class JoinWork(Protocol):
 
     def join_tensors(self) -> list[np.ndarray]:
         """This rank's state tensors (parameters, then optimizer state) as writable numpy
-        views, in an order that is the same on every replica."""
+        views, in an order that is the same on every replica (on a GPU: staged to host memory;
+        called by the donor and the newcomers only)."""
+
+    def join_nbytes(self) -> int:
+        """The bytes of :meth:`join_tensors`, from the tensors' sizes: nothing staged (every
+        survivor records it)."""
 
     def spawn_command(self, replicas: list[int]) -> tuple[str, list[str]]:
         """The program and arguments that start one replacement rank of ``replicas``."""

@@ -249,6 +249,15 @@ class RecoverTrainer(Trainer):
         MPI. CPU tensors are shared with numpy (zero-copy); device tensors are staged through
         one host buffer ([Note: no device tensor reaches MPI] in recovery/staging.py), copied
         back by :meth:`load_join_meta` on a newcomer and released at the next step."""
+        tensors = self._join_state()
+        self._join_staged = (tensors, self._join_staging.to_numpy(tensors, key="join"))
+        return self._join_staged[1]
+
+    def join_nbytes(self) -> int:
+        """The bytes :meth:`join_tensors` would move, from sizes alone (nothing staged)."""
+        return sum(t.numel() * t.element_size() for t in self._join_state())
+
+    def _join_state(self) -> list[torch.Tensor]:
         params = [p for m in self.model_parts for p in m.parameters()]
         if any(not opt.state for opt in self.optimizers.optimizers):
             self._materialize_optimizer_state(params)
@@ -259,9 +268,7 @@ class RecoverTrainer(Trainer):
                     state = optimizer.state.get(param, {})
                     tensors += [_local(state[k]) for k in sorted(state)
                                 if isinstance(state[k], torch.Tensor)]
-        tensors = [t.detach() for t in tensors]
-        self._join_staged = (tensors, self._join_staging.to_numpy(tensors, key="join"))
-        return self._join_staged[1]
+        return [t.detach() for t in tensors]
 
     def _materialize_optimizer_state(self, params) -> None:
         """A newcomer's optimizer has no state before its first step: one step on zero

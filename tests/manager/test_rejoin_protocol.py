@@ -47,6 +47,7 @@ class JoiningWork(StandInWork):
         self.updates = -1 if newcomer else 0
         self.first_step = 1
         self.before_step: dict[int, list[np.ndarray]] = {}  # step -> join tensors before it
+        self.stagings = 0  # join_tensors calls: the donor's and the newcomers' only
 
     def apply_update(self, grad_scale: float) -> float:
         norm = super().apply_update(grad_scale)
@@ -68,6 +69,14 @@ class JoiningWork(StandInWork):
         self.updates = meta["updates"]
 
     def join_tensors(self) -> list[np.ndarray]:
+        self.stagings += 1  # what a GPU rank would stage to host memory
+        return self.state()
+
+    def join_nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state())
+
+    def state(self) -> list[np.ndarray]:
+        """The join tensors, for the test's own checks (not counted)."""
         return [*self.params, *self.momentum]
 
     def spawn_command(self, replicas: list[int]) -> tuple[str, list[str]]:
@@ -105,7 +114,7 @@ def run_rejoin_job(tmp_path, replicas, g, steps, faults=(), shards=1, respawn=1,
         for step in range(first, steps + 1):
             if step > first or admit_first:
                 manager.maybe_admit(step, work)
-            work.before_step[step] = [t.copy() for t in work.join_tensors()]
+            work.before_step[step] = [t.copy() for t in work.state()]
             work.step = step
             record = manager.step(step, work)
             outputs.log_step({**record, "step_time_s": 0.0})
@@ -151,7 +160,7 @@ def check(tmp_path, works, replicas, steps, g_init):
             for unit in range(UNITS):
                 assert torch.equal(applied[unit], expected[unit]), (key, entry.step, unit)
     for shard in {w.shard for w in works.values()}:
-        final = [w.join_tensors() for w in works.values() if w.shard == shard]
+        final = [w.state() for w in works.values() if w.shard == shard]
         assert all(all(np.array_equal(a, b) for a, b in zip(final[0], f)) for f in final)
     assert metrics[-1]["alive_replicas"] == replicas
     return [e for e in _jsonl(tmp_path / "events.jsonl") if e.get("phase") == "join"]
@@ -180,6 +189,10 @@ def test_respawn_4x1(tmp_path):
     assert works[(1, 0, 1)].first_step == 6
     assert join["donor"] == 2  # the lowest alive replica that is not the spawner's (0)
     check_transfer(works, (1, 0, 1), (2, 0))
+    # staged: the donor's state once, the newcomer's buffers once; no other survivor stages
+    assert {k: w.stagings for k, w in works.items()} == {(0, 0): 0, (1, 0, 1): 1, (2, 0): 1,
+                                                         (3, 0): 0}
+    assert join["bytes_per_donor_rank"] == sum(a.nbytes for a in works[(2, 0)].state())
     metrics = _jsonl(tmp_path / "metrics.jsonl")
     assert [m["alive_replicas"] for m in metrics] == [4, 3, 3, 3, 3, 4, 4]
     assert [m["g"] for m in metrics] == [1, 1, 2, 2, 2, 1, 1]  # step 2 keeps its plan's G
@@ -287,8 +300,8 @@ def test_respawn_2x2(tmp_path):
     assert join["ok"] and join["joined_replicas"] == [1] and join["step"] == 6
     check_transfer(works, (1, 0, 1), (0, 0))
     check_transfer(works, (1, 1, 1), (0, 1))
-    assert not all(np.array_equal(a, b) for a, b in zip(works[(0, 0)].join_tensors(),
-                                                         works[(0, 1)].join_tensors()))
+    assert not all(np.array_equal(a, b) for a, b in zip(works[(0, 0)].state(),
+                                                         works[(0, 1)].state()))
     assert hub.layout.alive_replicas == (0, 1)
 
 
