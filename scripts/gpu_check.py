@@ -28,9 +28,9 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 CONFIG = REPO / "torchtitan_configs" / "debug_cpu.toml"
 STEPS = 8        # the oracle run
 REJOIN_STEPS = {False: 40, True: 400}
-SIZES = 5  # benchmarks/staging_bench.py's default --sizes-mb
 """Steps of the failure + rejoin runs (CPU dry run, GPU): enough for the newcomer's start-up
 (seconds) to end before the run does."""
+STAGING_SIZES_MB = "1,4,16,64,125"  # the bench prints one line per size
 
 
 def _train(out: Path, gpu: bool, faults=(), extra=(), steps: int = STEPS) -> list[dict]:
@@ -103,14 +103,15 @@ def check_staging(gpu: bool) -> bool:
 
     command = [*mpirun_prefix(2, mpirun=resolve_mpirun()), sys.executable,
                str(REPO / "benchmarks" / "staging_bench.py"), "--device",
-               "cuda" if gpu else "cpu"]
+               "cuda" if gpu else "cpu", "--sizes-mb", STAGING_SIZES_MB]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
     lines = [line for line in result.stdout.splitlines() if line.startswith("staging ")]
     print("\n".join("  " + line for line in lines))
     # read from the bench's own lines, not mpirun's exit code (0 under ULFM when ranks crash):
     # one line per size, on the device asked for
     device = "cuda" if gpu else "cpu"
-    return len(lines) == SIZES and all(f"({device})" in line for line in lines)
+    return (len(lines) == len(STAGING_SIZES_MB.split(","))
+            and all(f"({device})" in line for line in lines))
 
 
 def main(argv=None) -> int:

@@ -133,8 +133,7 @@ class Rejoin:
             return
         # the world's own ids only: a run launched below W_init ([Note: the relaunch keeps B]
         # in cli/relaunch.py) has no place for ids >= R; the relaunch tier refills those
-        missing = [r for r in range(min(policy.initial_replicas, self.world.layout.num_replicas))
-                   if r not in alive]
+        missing = [r for r in range(self.world.layout.num_replicas) if r not in alive]
         if not missing:
             if self.requests_seen and self.writer.is_writer:  # nothing to bring back
                 finish_requests(join_requests(self.out_dir), False)

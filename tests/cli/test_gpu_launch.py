@@ -242,6 +242,8 @@ def test_a_gpu_job_on_ranks_without_a_gpu_is_refused_not_trained_on_cpu(tmp_path
     assert "but the job was launched for 1 GPU(s) per node" in refusals[0]
     assert "not relaunched" in result.stderr, result.stderr[-2000:]
     assert not (out / "metrics.jsonl").exists()
-    for record in (out / "start").glob("rank*.json"):
+    records = sorted((out / "start").glob("rank*.json"))
+    assert len(records) == 2, records   # both ranks started, and are checked below
+    for record in records:
         pid = json.loads(record.read_text())["pid"]
         assert not os.path.exists(f"/proc/{pid}"), f"rank process {pid} outlived the job"
