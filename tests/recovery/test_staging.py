@@ -69,7 +69,8 @@ def _work(seed: int, steps: int):
         work.optimizers.zero_grad()
     from recover_hsdp.titan.trainer import RecoverTrainer
 
-    for name in ("join_meta", "load_join_meta", "join_tensors", "_materialize_optimizer_state"):
+    for name in ("join_meta", "load_join_meta", "join_tensors", "join_nbytes", "_join_state",
+                 "_materialize_optimizer_state"):
         setattr(work, name, types.MethodType(getattr(RecoverTrainer, name), work))
     return work, params
 
@@ -97,7 +98,10 @@ def test_rejoin_transfer_of_tensors_that_refuse_numpy_round_trips_exactly():
     newcomer, newcomer_params = _work(seed=2, steps=0)
     expected = _state(donor, donor_params)
 
+    nbytes = donor.join_nbytes()  # from sizes alone, before anything is staged
+    assert donor._join_staging.nbytes == 0
     buffers = donor.join_tensors()  # the donor's side of Rejoin._send_state
+    assert sum(b.nbytes for b in buffers) == nbytes
     flat = np.concatenate([b.reshape(-1).view(np.uint8) for b in buffers])
     meta = donor.join_meta()
     received = newcomer.join_tensors()  # the newcomer's side of Rejoin._receive_state
