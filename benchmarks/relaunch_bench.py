@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _common import CONFIG, REPO, machine, write_json  # noqa: E402
 from netns_cluster import NetnsCluster  # noqa: E402
 
-from recover_hsdp.cli.relaunch import newest_complete_checkpoint  # noqa: E402
+from recover_hsdp.cli.relaunch import newest_restart_point  # noqa: E402
 
 
 def _read(path: Path) -> list[dict]:
@@ -88,7 +88,7 @@ def one_run(mode: str, fault: str, steps: int, interval: int, keepalive: float, 
         if mode == "by_hand":
             proc.wait(timeout=900)
             done = last()
-            resume = newest_complete_checkpoint(ckpt) or 0
+            resume = newest_restart_point(ckpt) or 0
             survivors = root / "hostfile-survivors"
             survivors.write_text("".join(f"{a} slots=8\n" for i, a in enumerate(c.addrs) if i != 2))
             out2 = root / "run2"

@@ -2,7 +2,7 @@
 
 Faults come from ``[recover.faults]`` (``inject``: specs separated by ";") or the launcher's
 repeatable ``--fault replica=R,step=N,phase=P[,rank=K][,mode=M][,bucket=B][,at=A]`` (M in
-sigkill|exit|hang|stop|raise|busy|nan|inf_loss|slow; A, for phase=consensus only, where inside the
+sigkill|exit|hang|stop|raise|busy|nan|inf_loss|slow|bitflip; A, for phase=consensus only, where inside the
 consensus: consensus (before the agreement, the default), shrink, rebuild, agree-membership),
 plus an optional paper-like schedule: one failure every ``every`` steps at a seeded random step
 inside each interval, until ``max_failures`` replicas are lost. Every rank expands the same
@@ -25,6 +25,10 @@ Faults that do not end the rank ([Note: bad replicas] in manager/culprits.py):
   on, or for ``steps=K`` steps (a thermally throttled node: alive, progressing, slow);
   ``times=F`` instead: every microbatch takes F times as long as this rank's last microbatch
   before the fault fired (measured by the manager: its own work, without waits).
+* ``mode=bitflip`` (phase optimizer): right after step N's update, bit ``bit=K`` (default 20, a
+  float32 mantissa bit) of element ``element=E`` (default 0) of this rank's parameter shard is
+  flipped: the replica's state silently differs from the others' and stays finite
+  ([Note: divergence votes] in manager/divergence.py finds it).
 
 Before dying the victim appends one line to ``faults_fired.jsonl`` (fsync'ed), the counter the
 tests check afterwards.
@@ -59,6 +63,7 @@ class Mode(str, enum.Enum):
     NAN = "nan"          # NOT a death: one gradient bucket of the replica becomes NaN
     INF_LOSS = "inf_loss"  # NOT a death: the replica's loss of that step is +inf
     SLOW = "slow"        # NOT a death: ``seconds`` extra per microbatch from that step on
+    BITFLIP = "bitflip"  # NOT a death: one bit of the parameter shard flipped after the update
 
 
 class ConsensusPoint(str, enum.Enum):
@@ -84,6 +89,8 @@ class FaultSpec:
     point: ConsensusPoint = ConsensusPoint.AGREE
     steps: int = 0  # mode=slow: for this many steps (0: until the end of the run)
     times: float = 0.0  # mode=slow: F times the last microbatch before the fault (0: seconds)
+    element: int = 0  # mode=bitflip: which element of the shard (in parameter order)
+    bit: int = 20  # mode=bitflip: which bit of its raw word
 
     def covers(self, step: int) -> bool:
         """Whether ``step`` is one this fault fires at (a slow fault spans its ``steps``)."""
@@ -107,14 +114,16 @@ class FaultSpec:
                        seconds=float(fields.pop("seconds", 30.0)),
                        point=ConsensusPoint(fields.pop("at", "consensus")),
                        steps=int(fields.pop("steps", 0)),
-                       times=float(fields.pop("times", 0.0)))
+                       times=float(fields.pop("times", 0.0)),
+                       element=int(fields.pop("element", 0)), bit=int(fields.pop("bit", 20)))
             fields.pop("rank", None)
         except (KeyError, ValueError) as err:
             raise ConfigError(
                 f"--fault {text!r}: {err}: expected replica=R,step=N,phase="
                 f"{'|'.join(p.value for p in Phase)}[,rank=K][,mode="
-                f"{'|'.join(m.value for m in Mode)}][,bucket=B][,seconds=S][,steps=K][,times=F][,at="
-                f"{'|'.join(c.value for c in ConsensusPoint)}]") from None
+                f"{'|'.join(m.value for m in Mode)}][,bucket=B][,seconds=S][,steps=K]"
+                f"[,times=F][,element=E][,bit=K][,at={'|'.join(c.value for c in ConsensusPoint)}]"
+                ) from None
         if fields:
             raise ConfigError(f"--fault {text!r}: unknown key {sorted(fields)[0]!r}")
         if spec.mode is Mode.RAISE and spec.phase is Phase.CONSENSUS:
@@ -126,7 +135,8 @@ class FaultSpec:
 
 
 #: The phase a fault that does not end the rank must fire at (inf_loss: any).
-_BAD_REPLICA_PHASES = {Mode.NAN: (Phase.GRAD_SYNC,), Mode.SLOW: (Phase.FORWARD,)}
+_BAD_REPLICA_PHASES = {Mode.NAN: (Phase.GRAD_SYNC,), Mode.SLOW: (Phase.FORWARD,),
+                       Mode.BITFLIP: (Phase.OPTIMIZER,)}
 
 
 def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
@@ -138,6 +148,12 @@ def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
         raise ConfigError(f"--fault {text!r}: seconds must be >= 0 for mode=slow")
     if spec.steps and spec.mode is not Mode.SLOW:
         raise ConfigError(f"--fault {text!r}: steps=K is for mode=slow only; drop it")
+    flips = spec.mode is Mode.BITFLIP
+    if (spec.element, spec.bit) != (0, 20) and not flips:
+        raise ConfigError(f"--fault {text!r}: element=E and bit=K are for mode=bitflip only")
+    if flips and (spec.element < 0 or not 0 <= spec.bit < 64):
+        raise ConfigError(f"--fault {text!r}: mode=bitflip needs element >= 0 and bit in "
+                          "0..63 (within the element's word, e.g. 0..31 for float32)")
     if spec.times and (spec.mode is not Mode.SLOW or spec.times < 1):
         raise ConfigError(f"--fault {text!r}: times=F is for mode=slow only, with F >= 1 "
                           "(2: every microbatch twice as long)")
@@ -173,11 +189,20 @@ class FaultInjector:
 
     def at(self, step: int, phase: Phase, bucket: int | None = None,
            buckets_total: int | None = None, point: ConsensusPoint | None = None,
-           tensors: tuple = (), last_microbatch_s: float | None = None) -> None:
+           tensors: tuple = (), last_microbatch_s: float | None = None,
+           updated=None) -> None:
         """``tensors``: what a ``mode=nan`` fault poisons (a bucket and its snapshot);
-        ``last_microbatch_s``: this rank's last microbatch (the base of ``mode=slow,times=F``)."""
+        ``last_microbatch_s``: this rank's last microbatch (the base of ``mode=slow,times=F``);
+        ``updated``: given at the point right after the update, ``updated(element, bit)`` flips
+        a bit of the shard (``mode=bitflip`` fires only there, nothing else does)."""
         for spec in self.mine:
             if spec.phase != phase or not spec.covers(step):
+                continue
+            if (spec.mode is Mode.BITFLIP) != (updated is not None):
+                continue
+            if updated is not None:
+                self._record(spec)
+                updated(spec.element, spec.bit)
                 continue
             if spec.mode is Mode.INF_LOSS:
                 continue  # applied by ``loss_of``

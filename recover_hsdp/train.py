@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except BaseException as err:
         if mpirun and not stock:
-            _start_record(argv, exited=f"{type(err).__name__}: {str(err)[:200]}")
+            _start_record(argv, exited=f"{type(err).__name__}: {str(err)[:400]}")
         raise
 
 

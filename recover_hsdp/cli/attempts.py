@@ -230,16 +230,21 @@ def _judge(job: Job, records: list[relaunch.RelaunchRecord], request: RelaunchRe
     hopeless = relaunch.ends_the_same_way(evidence.start_records, progressed, len(new))
     plan = relaunch.plan_relaunch(entries, lost, job.ranks_per_replica,
                                   job.args.replicas, job.per_host,
-                                  relaunch.newest_complete_checkpoint(job.checkpoints),
+                                  relaunch.newest_restart_point(job.checkpoints),
                                   _counted(records, evidence.false_detections
                                            + evidence.init_crashes,
                                            job.max_relaunches),
                                   job.max_relaunches, hopeless)
     _keep_attempt(out, attempt, log_text)
     job.fired += _read_jsonl(out / "faults_fired.jsonl")
+    # [Note: divergence votes]: replicas that disagree with no strict majority end the job;
+    # the relaunch goes back to the newest certified checkpoint (the trainer verifies it)
+    refused = next((r["exited"].split(": ", 1)[1] for r in evidence.start_records.values()
+                    if r.get("exited", "").startswith("NoMajority")), "")
     if isinstance(plan, str):
-        return AttemptResult(Verdict.GIVE_UP, returncode, reason=plan)
-    cause = "; ".join(f"{h}: {why}" for h, why in new.items()) or \
+        return AttemptResult(Verdict.GIVE_UP, returncode,
+                             reason=f"{refused}; {plan}" if refused else plan)
+    cause = "; ".join(f"{h}: {why}" for h, why in new.items()) or refused or \
         f"mpirun ended (exit code {returncode}) without a completed summary"
     record = relaunch.RelaunchRecord(
         attempt=attempt + 1, cause=cause, lost_hosts=lost,

@@ -17,8 +17,9 @@ rendezvous) ends it too. Those endings are "abnormal": mpirun returned and no su
    records, pid + start time, over the agent mpirun itself uses: ``recover_hsdp.cli.hosts``);
 3. starts the job again (:func:`plan_relaunch`) on the hostfile's hosts minus the lost ones
    (hosts of the hostfile the job did not use are standby hosts), with as many replicas as
-   fit (at most the original R), from the newest COMPLETE checkpoint (a ``step-N`` folder with
-   its ``.metadata``: :func:`newest_complete_checkpoint`), else from step 0, keeping B
+   fit (at most the original R), from the newest CERTIFIED restart point (a complete
+   ``step-N`` folder whose certificate says it holds the full state: :func:`newest_restart_point`,
+   [Note: certified checkpoints]), else from step 0, keeping B
    either way ([Note: the relaunch keeps B]);
    An attempt that ended before its first step because a live rank was declared dead (Open MPI
    aborts a rank "reported dead by someone else": :func:`false_detections`) lost no host
@@ -58,22 +59,18 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from recover_hsdp import certificates
 from recover_hsdp.cli.hostfile import HostEntry
 
-CHECKPOINT_FOLDER = re.compile(r"^step-(\d+)$")
 _DAEMON_HOST = (re.compile(r"Remote daemon:.*?on node\s+(\S+)"),  # lost communication with
                 re.compile(r"Remote host:\s+(\S+)"))               # failed to report back
 
 
-def newest_complete_checkpoint(folder: str | Path | None) -> int | None:
-    """The step of the newest ``step-N`` DCP folder that holds its ``.metadata`` (written
-    last by DCP: a folder without it is a save that did not finish), or None."""
-    if folder is None or not Path(folder).is_dir():
-        return None
-    steps = [int(m.group(1)) for p in Path(folder).iterdir()
-             if p.is_dir() and (m := CHECKPOINT_FOLDER.match(p.name))
-             and (p / ".metadata").is_file()]
-    return max(steps, default=None)
+def newest_restart_point(folder: str | Path | None) -> int | None:
+    """The step of the newest certified restart point under ``folder`` ([Note: certified
+    checkpoints] in recover_hsdp/certificates.py: complete, certified, not model-only), or
+    None. The trainer verifies it once loaded and falls back further if it does not."""
+    return certificates.newest_restart_point(folder)
 
 
 def daemon_hosts(log_text: str) -> set[str]:

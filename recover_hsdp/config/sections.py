@@ -227,10 +227,16 @@ class BadReplicas:
     """Steps in a row a replica must be out of its band before its quota changes (either way).
     >= 1."""
 
-    consistency_check_interval: int = 50
-    """Every this many steps compare a float64 checksum of each parameter shard across replicas
-    and stop with an error if they diverged (one pass over the local shard + one float per rank
-    on the wire; 0 disables). Default 50: the cost is negligible at that interval."""
+    consistency_check_interval: int = 1
+    """Every this many steps the replicas vote on an exact fingerprint of their parameter
+    shards ([Note: divergence votes] in manager/divergence.py): a replica whose bits differ
+    from a strict majority's leaves before the update; no strict majority refuses the step.
+    One read of the local shard, no message of its own (it rides in the step's totals
+    all-reduce); 0 disables. Default 1: only a vote every step keeps a diverged replica's
+    gradient out of every commit (with K > 1 up to K - 1 steps of it are summed into everyone's
+    update, where no later vote can see it); measured cost (benchmarks/fingerprint_bench.py,
+    CPU, the debug model): 2-4% of a 256-token step, 0.14% of a 4 x 1024-token one; it falls
+    with the tokens per step (on a GPU the read runs at memory bandwidth)."""
 
     def check(self) -> None:
         _integer(self, "max_offences", 1)

@@ -8,6 +8,10 @@
   totals.py         ``StepTotals``: the step's sums across ranks, one all-reduce; the measured
                     speeds to the policy ([Note: straggler quotas])
   culprits.py       ``Culprits``: [Note: bad replicas], non-finite contributions absorbed
+  divergence.py     ``diverged_replicas``: [Note: divergence votes], a strict majority of
+                    replicas' parameter fingerprints sends the others away
+  certify.py        ``Certifier``: [Note: certified checkpoints], saves certified by a vote,
+                    loads verified
   writer.py         ``WriterDuties``: [Note: the writer]
   failures.py       ``FailureLog``: [Note: replica-local errors], repair events
   local_processes.py ``LocalProcesses``: ending excluded processes on this host

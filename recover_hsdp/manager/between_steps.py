@@ -42,6 +42,18 @@ class BetweenSteps:
                 return dict(zip(self.world.alive_replicas, values))
             self.writer.refresh()
 
+    def gather_global(self, local: Any, phase: str, step: int,
+                      policy: WorkloadPolicy) -> list[Any]:
+        """Every alive rank's ``local``, agreed by all (the same repair loop as
+        :meth:`gather_for_checkpoint`, over every rank): e.g. the certificate's fingerprints
+        ([Note: certified checkpoints] in recover_hsdp/certificates.py)."""
+        while True:
+            values = self.world.allgather_global(local)
+            clean = values is not None and not self.world.epoch_failed
+            if self.agree(clean, phase, step, policy):
+                return values
+            self.writer.refresh()
+
     def save_checkpoint(self, save: Callable[[], str | None], step: int,
                         policy: WorkloadPolicy) -> bool:
         """Save ``step``'s checkpoint on the saving replica and agree it is complete; see

@@ -14,8 +14,11 @@ the trainer when it may update. It holds the three layers and its parts, each ow
   failures       ``FailureLog``: [Note: replica-local errors], the record of every repair
   processes      ``LocalProcesses``: [Note: nothing left behind]
   between_steps  ``BetweenSteps``: the checkpoint gather, [Note: the end of a run]
+  certifier      ``Certifier``: [Note: certified checkpoints], saves certified, loads verified
   rejoin         ``Rejoin``: [Note: rejoin at a boundary]
   culprits       ``Culprits``: [Note: bad replicas], non-finite contributions absorbed
+  (divergence)   ``diverged_replicas``: [Note: divergence votes], a replica whose parameters
+                 differ from a strict majority's leaves
 
 [Note: the step protocol] One step on a surviving rank (docs/DESIGN.md section 3); ``step``
 walks these phases in this order (``recover_hsdp.phases.Phase``, a profile shows each):
@@ -35,9 +38,11 @@ walks these phases in this order (``recover_hsdp.phases.Phase``, a profile shows
      summed again; back to 4. A failure during 5 loops again; each loop needs a new death, so
      it ends. A clean epoch whose loss or gradient norm is not finite has culprits
      ([Note: bad replicas], manager/culprits.py): they are excluded from the step, the others
-     compute their microbatches as extras, every bucket is reduced again; back to 4. Each
-     committed step feeds the replicas' compute seconds per microbatch to the policy
-     ([Note: straggler quotas]).
+     compute their microbatches as extras, every bucket is reduced again; back to 4. A
+     replica whose parameter fingerprint (in the totals of 3) differs from a strict majority's
+     leaves before the update ([Note: divergence votes], manager/divergence.py): a death,
+     back to 4; no strict majority refuses the step. Each committed step feeds the replicas'
+     compute seconds per microbatch to the policy ([Note: straggler quotas]).
 Invariant: every committed step sums exactly B microbatch gradients: the policy asserts it per
 plan, and the step is measured before it commits ([Note: measured microbatches] in
 recovery/buckets.py): the microbatch gradients the buckets really summed and the token positions
@@ -59,7 +64,9 @@ from recover_hsdp.errors import one_line
 from recover_hsdp.config import BadReplicas, Tiers
 from recover_hsdp.faults import ConsensusPoint, FaultInjector
 from recover_hsdp.manager.between_steps import BetweenSteps
+from recover_hsdp.manager.certify import Certifier
 from recover_hsdp.manager.culprits import Culprits
+from recover_hsdp.manager.divergence import diverged_replicas
 from recover_hsdp.manager.failures import FailureLog
 from recover_hsdp.manager.local_processes import LocalProcesses
 from recover_hsdp.manager.phases import PhaseHooks, PhaseTimer
@@ -69,6 +76,7 @@ from recover_hsdp.manager.work import StepState, StepWork
 from recover_hsdp.manager.writer import WriterDuties
 from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.phases import Phase, profiler_labels
+from recover_hsdp.recovery.fingerprint import flip_bit, from_halves, halves
 from recover_hsdp.workload import DataRef, Role, WorkloadPolicy
 
 
@@ -86,8 +94,11 @@ class RecoverManager:
             its FSDP ranks' parts, [Note: replica layout] in config/checks.py).
         bad_replicas: the ``[recover.bad_replicas]`` section (config.BadReplicas): the culprits'
             offence limits ([Note: bad replicas]) and ``consistency_check_interval``, every this
-            many steps compare parameter checksums across replicas (``parameter_checksum``
-            computes this rank's). Default: the section's defaults with the check off (0).
+            many steps the replicas vote on their parameter fingerprints ([Note: divergence
+            votes]; ``parameter_fingerprint`` computes this rank's, an unsigned 64-bit int).
+            Default: the section's defaults with the vote off (0).
+        restart_point: what a refused vote names to restart from (default: the newest
+            certified checkpoint).
         tiers: the ``[recover.tiers]`` section (config.Tiers): ``respawn_after_steps`` for
             :class:`Rejoin` (0: only on request) and ``emergency_checkpoint`` ([Note: emergency
             checkpoint]). Default: the section's defaults.
@@ -102,7 +113,7 @@ class RecoverManager:
     def __init__(self, *, world, bucket_sync, policy: WorkloadPolicy, faults: FaultInjector,
                  outputs: RunMetrics, out_dir: str | Path, tokens_per_microbatch: int,
                  bad_replicas: BadReplicas | None = None, tiers: Tiers | None = None,
-                 parameter_checksum: Callable[[], float] | None = None,
+                 parameter_fingerprint: Callable[[], int] | None = None, restart_point: str = "",
                  procs: Sequence[ProcessInfo] = (), die: Callable[[], None] | None = None,
                  counts_data: bool = True, joins=None):
         bad_replicas = bad_replicas or BadReplicas(consistency_check_interval=0)
@@ -111,7 +122,7 @@ class RecoverManager:
         self.outputs, self.out_dir = outputs, Path(out_dir)
         self.tokens_per_microbatch = tokens_per_microbatch
         self.consistency_check_interval = bad_replicas.consistency_check_interval
-        self.parameter_checksum = parameter_checksum
+        self.parameter_fingerprint, self.restart_point = parameter_fingerprint, restart_point
         self.counts_data = counts_data
         self.phases, self.timer = PhaseHooks(), PhaseTimer()
         self.faults = faults  # also asked for the loss a microbatch reports (mode=inf_loss)
@@ -127,9 +138,11 @@ class RecoverManager:
         self.between_steps = BetweenSteps(world=world, writer=self.writer,
                                           failures=self.failures, processes=self.processes,
                                           phases=self.phases)
+        self.certifier = Certifier(world=world, between_steps=self.between_steps,
+                                   writer=self.writer)
         self.rejoin = Rejoin(world=world, writer=self.writer, outputs=outputs,
                              processes=self.processes, phases=self.phases, out_dir=out_dir,
-                             checksum=parameter_checksum,
+                             checksum=parameter_fingerprint,
                              respawn_after_steps=tiers.respawn_after_steps, joins=joins)
         self.culprits = Culprits(world=world, bucket_sync=bucket_sync, outputs=outputs,
                                  initial_replicas=policy.initial_replicas, limits=bad_replicas)
@@ -222,7 +235,8 @@ class RecoverManager:
                 record = self._commit(step, work, state)
             if record is not None:
                 break
-            self._absorb_culprits(step, work, state)   # not finite: [Note: bad replicas]
+            if not state.diverged:                   # (diverged: its ranks left, a death)
+                self._absorb_culprits(step, work, state)  # not finite: [Note: bad replicas]
         record["phase_s"] = dict(self.timer.seconds)
         self.world.step_done(state.longest_microbatch_s)
         return record
@@ -323,6 +337,9 @@ class RecoverManager:
         width = self.policy.initial_replicas  # [Note: straggler quotas]: a replica's mean
         totals.compute_s = [0.0] * width
         totals.compute_s[self.replica] = state.compute_s / self.world.layout.ranks_per_replica
+        totals.fingerprints = [0.0] * (2 * width)  # [Note: divergence votes]
+        if self._fingerprint(state) is not None:
+            totals.fingerprints[2 * self.replica:2 * self.replica + 2] = halves(state.fingerprint)
         values = totals.to_array()  # rejoin's counts ride along: [Note: rejoin at a boundary]
         self.world.allreduce_global(values)
         state.totals = StepTotals.from_array(values, width)
@@ -379,7 +396,8 @@ class RecoverManager:
             self._contract_checked = True
         reduced = totals.check_measured(step, plan.committed_total(),
                                         self.world.layout.ranks_per_replica, state.nominal_tokens)
-        if not math.isfinite(totals.loss):
+        state.diverged = self._diverged(step, totals)
+        if state.diverged or not math.isfinite(totals.loss):
             return None
         loss_sum, tokens = totals.loss, int(totals.tokens)
         scale = 1.0
@@ -393,15 +411,15 @@ class RecoverManager:
             self.replica_error(step, "optimizer: " + one_line(err))
         if not math.isfinite(grad_norm):
             return None
+        self.phases.point(step, Phase.OPTIMIZER,  # after the update: mode=bitflip
+                          updated=lambda element, bit: flip_bit(work.parameter_shards(),
+                                                                element, bit))
         self.policy.commit(plan)
         observe_speeds(self.policy, self.outputs, step, plan, totals.compute_s)
         self.rejoin.agree_totals(totals.join_requests, totals.join_ready, totals.join_failed)
         mine = plan.assignment(self.replica)
         self.committed_data = [mine.data_ref(i) for i in sorted(mine.committed_ids)]
         self.writer.record_commit(plan, self.world.epoch)
-        interval = self.consistency_check_interval
-        if interval > 0 and step % interval == 0 and self.parameter_checksum is not None:
-            self._check_replicas_identical(step)
         return {
             "step": step, "loss": loss_sum, "grad_norm": float(grad_norm), "tokens": tokens,
             "alive_replicas": len(self.world.alive_replicas),
@@ -413,11 +431,37 @@ class RecoverManager:
             "snapshot_bytes_per_rank": sync.snapshot_bytes(),
         }
 
-    def _check_replicas_identical(self, step: int) -> None:
-        values = self.world.allgather(self.parameter_checksum())
-        if values is not None and len(set(values)) != 1:
-            raise RuntimeError(f"step {step}: replicas diverged: parameter checksums "
-                               f"{values} for shard {self.shard}")
+    def _fingerprint(self, state: StepState) -> int | None:
+        """This rank's parameter fingerprint for the step's vote, taken once per voting step
+        (before the update; a rereduce sums it again): [Note: divergence votes]."""
+        interval = self.consistency_check_interval
+        if (state.fingerprint is None and self.parameter_fingerprint is not None
+                and interval > 0 and self._current_step % interval == 0):
+            state.fingerprint = self.parameter_fingerprint()
+        return state.fingerprint
+
+    def _diverged(self, step: int, totals: StepTotals) -> tuple[int, ...]:
+        """[Note: divergence votes]: the replicas that differ from a strict majority (their
+        ranks leave here; the others return them and the consensus sees a death); no strict
+        majority raises ``NoMajority``."""
+        if not any(totals.fingerprints):
+            return ()
+        votes = {r: from_halves(*totals.replica_fingerprint(r))
+                 for r in self.world.alive_replicas}
+        diverged = diverged_replicas(step, votes, self.restart_point)
+        if not diverged:
+            return ()
+        self.outputs.log_event({
+            "step": step, "phase": "diverged", "epoch": self.world.epoch,
+            "fingerprints": {str(r): f"{v:016x}" for r, v in sorted(votes.items())},
+            "diverged": list(diverged),
+            "action": "the diverged replicas leave before the update; the step is re-planned "
+                      "without them and every bucket reduced again"})
+        if self.replica in diverged:
+            self.replica_error(step, f"diverged: this replica's parameter fingerprint "
+                                     f"{votes[self.replica]:016x} differs from a strict "
+                                     "majority's ([Note: divergence votes])")
+        return diverged
 
     def _bucket_point(self, index: int, rereduce: bool) -> None:
         phase = Phase.REREDUCE if rereduce else Phase.GRAD_SYNC
@@ -442,6 +486,17 @@ class RecoverManager:
     def save_checkpoint(self, step: int, save: Callable[[], str | None]) -> bool:
         """``BetweenSteps.save_checkpoint``: [Note: a checkpoint the survivors agree on]."""
         return self.between_steps.save_checkpoint(save, step, self.policy)
+
+    def certify_checkpoint(self, step: int, folder: str | Path, restart_point: bool,
+                           fingerprint: Callable[[], int]) -> bool:
+        """``Certifier.certify``: [Note: certified checkpoints] (recover_hsdp/certificates.py)."""
+        return self.certifier.certify(step, folder, restart_point, fingerprint, self.policy,
+                                      self.replica_error)
+
+    def verify_checkpoint(self, step: int, folder: str | Path, fingerprint: int | None,
+                          error: str = "") -> str | None:
+        """``Certifier.verify``: None when every replica loaded the certified state."""
+        return self.certifier.verify(step, folder, fingerprint, error, self.policy)
 
     def maybe_admit(self, step: int, work: JoinWork) -> None:
         """Survivors, before ``step``: [Note: rejoin at a boundary]."""

@@ -16,7 +16,8 @@ writer; the counts ride along in every step's totals reduce (no extra collective
      leaves the newcomers' link; rank s for shard s) sends each newcomer rank s its state:
      parameters and optimizer state (this rank's local shards, in a fixed order), LR
      schedulers, tokens seen, the policy, the run's metrics / ledger history, process table
-     and respawn clock; the newcomer checks a checksum of its parameters against the donor's;
+     and respawn clock; the newcomer checks the exact fingerprint of its parameters against the
+     donor's ([Note: exact fingerprints] in recovery/fingerprint.py);
   3. one agreement: all ok, or the attempt failed (survivors go on with their old world; a
      survivor that died is found by the next step as any death). The started newcomers are
      kept: they go back to their spawner, the next boundary tries again (a new donor if the
@@ -63,7 +64,7 @@ class Rejoin:
         world, writer, outputs, processes, phases: the manager's (the world grows; the writer
             duty may pass to a newcomer; the process table takes the newcomers).
         out_dir: the run's output folder (``join/requests``).
-        checksum: this rank's parameter checksum (the newcomer checks it against the donor's),
+        checksum: this rank's parameter fingerprint (the newcomer checks it against the donor's),
             or None.
         respawn_after_steps: ``[recover.tiers] respawn_after_steps`` (0: only on request).
         joins: the join's collective operations (``Joins``; default: ``CollectiveJoins``).
@@ -74,7 +75,7 @@ class Rejoin:
 
     def __init__(self, *, world, writer: WriterDuties, outputs: RunMetrics,
                  processes: LocalProcesses, phases: PhaseHooks, out_dir: str | Path,
-                 checksum: Callable[[], float] | None = None, respawn_after_steps: int = 0,
+                 checksum: Callable[[], int] | None = None, respawn_after_steps: int = 0,
                  joins: Joins | None = None):
         self.world, self.writer, self.outputs = world, writer, outputs
         self.processes, self.phases, self.out_dir = processes, phases, Path(out_dir)
@@ -282,7 +283,7 @@ class Rejoin:
             ok = ok and channel.send_bytes(flat, peer)
         return ok
 
-    def _checksum(self) -> float | None:
+    def _checksum(self) -> int | None:
         return None if self.checksum is None else self.checksum()
 
     def _joined(self, channel, replicas, policy: WorkloadPolicy) -> None:

@@ -3,9 +3,11 @@
 [Note: measured microbatches] (recovery/buckets.py) says why the microbatch gradients and token
 positions are counted, not read from the plan; [Note: rejoin at a boundary]
 (manager/rejoin.py) why the join counts ride along; [Note: straggler quotas]
-(workload/rebalance.py) why each replica's compute seconds per microbatch do. The fields travel
+(workload/rebalance.py) why each replica's compute seconds per microbatch do; [Note: divergence
+votes] (manager/divergence.py) why each replica's parameter fingerprint does. The fields travel
 as one float64 array in a fixed order (``to_array`` / ``from_array``): the only place that
-order is written (the scalar fields, then ``compute_s``, one slot per initial replica).
+order is written (the scalar fields, then ``compute_s``, one slot per initial replica, then
+``fingerprints``, two per initial replica).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class StepTotals:
         join_failed: survivors that see the starting newcomers failed.
         compute_s: per initial replica, its compute seconds per microbatch in this step (each
             of its ranks adds its own divided by S: the replica's mean); 0: not measured.
+        fingerprints: per initial replica, the high and low 32 bits of its ranks' parameter
+            fingerprints ([Note: exact fingerprints] in recovery/fingerprint.py), each rank
+            adding its own halves (exact in float64); all 0 in a step without a vote.
     """
 
     loss: float = 0.0
@@ -48,6 +53,7 @@ class StepTotals:
     join_ready: float = 0.0
     join_failed: float = 0.0
     compute_s: list[float] = dataclasses.field(default_factory=list)
+    fingerprints: list[float] = dataclasses.field(default_factory=list)
 
     def add_microbatch(self, loss: float, tokens: int, positions: int) -> None:
         self.loss += loss
@@ -55,17 +61,24 @@ class StepTotals:
         self.positions += positions
 
     def to_array(self) -> np.ndarray:
-        return np.array([getattr(self, name) for name in _SCALARS] + list(self.compute_s),
-                        np.float64)
+        return np.array([getattr(self, name) for name in _SCALARS] + list(self.compute_s)
+                        + list(self.fingerprints), np.float64)
 
     @classmethod
     def from_array(cls, values: np.ndarray, replicas: int = 0) -> StepTotals:
-        """``replicas``: the length of ``compute_s`` (W_init)."""
-        if len(values) != len(_SCALARS) + replicas:
-            raise ValueError(f"StepTotals: {len(values)} values for {len(_SCALARS)} fields and "
+        """``replicas``: W_init (``compute_s`` has one slot per replica, ``fingerprints``
+        two)."""
+        first = len(_SCALARS)
+        if len(values) != first + 3 * replicas:
+            raise ValueError(f"StepTotals: {len(values)} values for {first} fields and "
                              f"{replicas} replicas")
         return cls(**{name: float(value) for name, value in zip(_SCALARS, values)},
-                   compute_s=[float(v) for v in values[len(_SCALARS):]])
+                   compute_s=[float(v) for v in values[first:first + replicas]],
+                   fingerprints=[float(v) for v in values[first + replicas:]])
+
+    def replica_fingerprint(self, replica: int) -> tuple[float, float]:
+        """``replica``'s summed fingerprint halves (high, low)."""
+        return self.fingerprints[2 * replica], self.fingerprints[2 * replica + 1]
 
     def check_measured(self, step: int, committed: int, ranks_per_replica: int,
                        nominal_tokens: int) -> int:
@@ -82,7 +95,8 @@ class StepTotals:
         return int(reduced)
 
 
-_SCALARS = tuple(f.name for f in dataclasses.fields(StepTotals) if f.name != "compute_s")
+_SCALARS = tuple(f.name for f in dataclasses.fields(StepTotals)
+                 if f.name not in ("compute_s", "fingerprints"))
 
 
 def observe_speeds(policy: WorkloadPolicy, outputs: RunMetrics, step: int, plan: StepPlan,

@@ -32,6 +32,11 @@ class StepWork(Protocol):
         updates nothing (no optimizer or scheduler step): the manager finds the culprits,
         rebuilds the gradient and calls it again ([Note: bad replicas] in manager/culprits.py)."""
 
+    def parameter_shards(self) -> list[Any]:
+        """This rank's parameters (torch tensors; DTensors allowed): what the divergence vote
+        fingerprints and a ``mode=bitflip`` fault flips ([Note: divergence votes] in
+        manager/divergence.py)."""
+
 
 class JoinWork(Protocol):
     """What the trainer provides for a join ([Note: rejoin at a boundary] in rejoin.py; one
@@ -68,3 +73,5 @@ class StepState:
     compute_s: float = 0.0  # seconds per microbatch of this rank's compute phase
     longest_microbatch_s: float = 0.0  # for the hang bound (collectives/guard.py)
     totals: StepTotals = field(default_factory=StepTotals)
+    fingerprint: int | None = None  # this rank's, before the update ([Note: divergence votes])
+    diverged: tuple[int, ...] = ()  # replicas the vote sent away in this epoch

@@ -5,13 +5,16 @@
   planes.py         ``DataPlane``, where a bucket's sum travels; ``MpiDataPlane``, the ``mpi`` one
   staging.py        reused host chunks: [Note: no device tensor reaches MPI]
   fsdp_contract.py  the FSDP2 behaviour the hook relies on, checked at run time
+  fingerprint.py    exact fingerprints of a shard: [Note: exact fingerprints]
 
 The world it reduces through is a ``World`` (collectives/interface.py), duck-typed here (this
 layer imports no MPI): ``FaultTolerantWorld`` in a job, ``tests/fakes.FakeWorld`` in tests.
 """
 
-from recover_hsdp.recovery.buckets import Bucket, BucketSync, fsdp_units, local_parameter_checksum
+from recover_hsdp.recovery.buckets import Bucket, BucketSync, fsdp_units
+from recover_hsdp.recovery.fingerprint import (fingerprint, flip_bit, from_halves, halves,
+                                               parameter_fingerprint, state_fingerprint)
 from recover_hsdp.recovery.planes import DataPlane, MpiDataPlane
 
-__all__ = ["Bucket", "BucketSync", "DataPlane", "MpiDataPlane", "fsdp_units",
-           "local_parameter_checksum"]
+__all__ = ["Bucket", "BucketSync", "DataPlane", "MpiDataPlane", "fingerprint", "flip_bit",
+           "from_halves", "fsdp_units", "halves", "parameter_fingerprint", "state_fingerprint"]

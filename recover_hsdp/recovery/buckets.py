@@ -67,16 +67,6 @@ def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def local_parameter_checksum(model: torch.nn.Module) -> float:
-    """float64 sum of this rank's parameter shards (identical across replicas iff in sync)."""
-    total = 0.0
-    with torch.no_grad():
-        for param in model.parameters():
-            local = param.to_local() if hasattr(param, "to_local") else param
-            total += float(local.double().sum())
-    return total
-
-
 @dataclass
 class Bucket:
     """One FSDP unit's reduce-scatter output for this step, with its snapshot and epoch tag."""

@@ -51,7 +51,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
     ``heartbeat``: the replica group's (``ReplicaGroup.heartbeat``; None: none)."""
     from recover_hsdp.config import (data_ranks_per_replica, initial_replica_count,
                                      microbatches_per_replica)
-    from recover_hsdp.recovery import BucketSync, local_parameter_checksum
+    from recover_hsdp.recovery import BucketSync, parameter_fingerprint
 
     rc, training = job_config.recover, job_config.training
     out_dir = job_config.job.dump_folder
@@ -76,7 +76,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
         tokens_per_microbatch=fsdp_degree * training.local_batch_size * training.seq_len,
         counts_data=placement.shard % tp == 0,
         bad_replicas=rc.bad_replicas, tiers=rc.tiers,
-        parameter_checksum=lambda: local_parameter_checksum(model), procs=procs)
+        parameter_fingerprint=lambda: parameter_fingerprint(model), procs=procs)
     if heartbeat is not None:  # a rank leaving normally says goodbye to its replica peers
         world.on_leave = heartbeat.stand_down
     return manager

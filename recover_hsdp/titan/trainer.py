@@ -28,13 +28,15 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
+from recover_hsdp import certificates
 from recover_hsdp.collectives.mpirun import job_environment
 from recover_hsdp.collectives.processes import write_registry
 from recover_hsdp.config import validate
-from recover_hsdp.errors import one_line
+from recover_hsdp.errors import ConfigError, one_line
 from recover_hsdp.faults import Phase
 from recover_hsdp.groups.bootstrap import NEWCOMER_ENV, bootstrap_replica, newcomer_placement
 from recover_hsdp.groups.replica_group import init_replica_group
+from recover_hsdp.recovery.fingerprint import state_fingerprint
 from recover_hsdp.recovery.staging import HostStaging, to_host
 from recover_hsdp.titan.build import build_injector_for, build_manager, build_world
 from recover_hsdp.titan.metrics import full_tensors
@@ -51,10 +53,15 @@ class ReplicaCheckpointer:
     and wait in the agreement that it is complete ([Note: a checkpoint the survivors agree on]
     in manager/between_steps.py: a saver lost mid-save is replaced and the step saved again).
     The hang watchdog is paused during the save (a long write is not a hang); MPI-call
-    deadlines still apply. Everything else is delegated unchanged."""
+    deadlines still apply. Every agreed save is certified and every load verified ([Note:
+    certified checkpoints] in recover_hsdp/certificates.py): ``state_fingerprint()`` is this
+    rank's (parameters and optimizer state); a newcomer (``verify`` False) loads as TorchTitan
+    does, its state comes from a donor. Everything else is delegated unchanged."""
 
-    def __init__(self, inner, manager, slow_phase=contextlib.nullcontext):
+    def __init__(self, inner, manager, slow_phase=contextlib.nullcontext, *,
+                 state_fingerprint=None, verify: bool = True):
         self._inner, self._manager, self._slow_phase = inner, manager, slow_phase
+        self._state_fingerprint, self._verify = state_fingerprint, verify
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
         inner = self._inner
@@ -75,8 +82,63 @@ class ReplicaCheckpointer:
                 source.set_gathered(states.values())
         saved = self._manager.save_checkpoint(
             curr_step, lambda: self._save_here(curr_step, last_step, due))
+        if saved and self._state_fingerprint is not None:  # [Note: certified checkpoints]
+            self._manager.certify_checkpoint(
+                curr_step, inner._create_checkpoint_id(curr_step),
+                restart_point=not (last_step and inner.last_save_model_only),
+                fingerprint=self._state_fingerprint)
         if saved and emergency:
             self._manager.emergency_checkpoint_saved(curr_step)
+
+    def load(self, step: int = -1) -> bool:
+        """TorchTitan's load, of certified restart points only, each verified once loaded:
+        [Note: certified checkpoints]. ``step`` (-1: the newest) that is not a certified
+        restart point or does not verify is refused in one line and the next older certified
+        one is tried; none left: a ``ConfigError`` naming the folder. Folders without one
+        (none written yet, TorchTitan's seed checkpoint step-0) load as TorchTitan does."""
+        inner = self._inner
+        steps = certificates.complete_checkpoints(inner.folder) if inner.enable else []
+        if not self._verify or self._state_fingerprint is None or not steps or steps == [0]:
+            return inner.load(step=step)
+        wanted = steps[0] if step == -1 else step
+        refused: dict[int, str] = {}
+        if wanted not in steps:
+            refused[wanted] = "not a complete checkpoint (no .metadata)"
+        for candidate in [s for s in steps if s <= wanted]:  # newest first
+            why = certificates.why_not_restart_point(
+                certificates.folder_of(inner.folder, candidate)) or self._load_verified(candidate)
+            if why is None:
+                self._report(refused, loaded=candidate)
+                return True
+            refused[candidate] = why
+        self._report(refused, loaded=None)
+        raise ConfigError(
+            f"checkpoint.folder {inner.folder}: no certified restart point at or before step "
+            f"{wanted} verifies ({'; '.join(f'step-{s}: {w}' for s, w in sorted(refused.items()))})"
+            ": move the folder away to start from scratch")
+
+    def _load_verified(self, step: int) -> str | None:
+        """Load ``step``, then agree every replica holds its certificate's state."""
+        error, fingerprint = "", None
+        try:
+            self._inner.load(step=step)
+            fingerprint = self._state_fingerprint()
+        except Exception as err:  # noqa: BLE001 - agreed as refused, the next one is tried
+            error = one_line(err)
+        return self._manager.verify_checkpoint(
+            step, certificates.folder_of(self._inner.folder, step), fingerprint, error)
+
+    def _report(self, refused: dict[int, str], loaded: int | None) -> None:
+        """One line per refused checkpoint (the writer's), one ``events.jsonl`` line."""
+        manager = self._manager
+        if manager.is_writer:
+            for step, why in sorted(refused.items(), reverse=True):
+                print(f"[recover-hsdp] checkpoint step-{step} refused: {why}", flush=True)
+        if refused:
+            manager.outputs.log_event({"phase": "checkpoint load", "step": loaded or 0,
+                                       "epoch": manager.world.epoch,
+                                       "loaded": loaded,
+                                       "refused": {str(s): w for s, w in refused.items()}})
 
     def _save_here(self, curr_step: int, last_step: bool, due: bool) -> str | None:
         """This rank's part of the saving replica's DCP save; None, or why it failed.
@@ -131,7 +193,10 @@ class RecoverTrainer(Trainer):
                                      self.replica_world.procs, self.replica_group.heartbeat)
         if layout.world_rank == 0 and not self._joining:
             write_registry(job_config.job.dump_folder, self.replica_world.procs)  # launcher's
-        self.checkpointer = ReplicaCheckpointer(self.checkpointer, self.manager, self._slow_phase)
+        self.checkpointer = ReplicaCheckpointer(
+            self.checkpointer, self.manager, self._slow_phase, verify=not self._joining,
+            state_fingerprint=lambda: state_fingerprint(self.model_parts[0],
+                                                        self.optimizers.optimizers))
         if job_config.recover.debug.log_samples:
             self.dataloader.sample_log = SampleLog(job_config.job.dump_folder,
                                                    self.replica_world.layout.world_rank)
@@ -216,6 +281,10 @@ class RecoverTrainer(Trainer):
         self.optimizers.step()
         self.lr_schedulers.step()
         return float(grad_norm)
+
+    def parameter_shards(self) -> list[torch.Tensor]:
+        """This rank's parameters, local shards: [Note: divergence votes] (manager)."""
+        return [_local(p) for m in self.model_parts for p in m.parameters()]
 
     # JoinWork (recover_hsdp.manager.work.JoinWork) -----------------------------------------
 

@@ -10,14 +10,23 @@ from pathlib import Path
 
 import pytest
 
+from recover_hsdp import certificates
 from recover_hsdp.cli import attempts, relaunch
 from recover_hsdp.cli import hosts as remote
 from recover_hsdp.cli.hostfile import HostEntry, parse_hostfile
 from recover_hsdp.cli.hosts import ssh_agent
 from recover_hsdp.faults import FaultSpec
 from recover_hsdp.cli.relaunch import (Evidence, daemon_hosts, ends_the_same_way, lost_hosts,
-                                       merge_steps, newest_complete_checkpoint, plan_relaunch,
+                                       merge_steps, newest_restart_point, plan_relaunch,
                                        ranks_per_host_of)
+
+
+
+def certify(folder: Path, step: int, restart_point: bool = True) -> None:
+    """What a job's writer leaves in an agreed, certified save ([Note: certified checkpoints])."""
+    certificates.write(folder, certificates.Certificate(step=step, restart_point=restart_point,
+                                                        state_fingerprint="0" * 16))
+
 
 LOST_DAEMON = """--------------------------------------------------------------------------
 PRTE has lost communication with a remote daemon.
@@ -43,10 +52,17 @@ def test_hostfile_checkpoints_and_prrte_messages(tmp_path):
         (tmp_path / f"step-{step}").mkdir()
         if complete:
             (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"x")
+            certify(tmp_path / f"step-{step}", step)
     (tmp_path / "step-9.tmp").mkdir()
-    assert newest_complete_checkpoint(tmp_path) == 4
-    assert newest_complete_checkpoint(tmp_path / "missing") is None
-    assert newest_complete_checkpoint(None) is None
+    assert newest_restart_point(tmp_path) == 4
+    (tmp_path / "step-8").mkdir()  # complete but model-only, then complete but not certified
+    (tmp_path / "step-8" / ".metadata").write_bytes(b"x")
+    certify(tmp_path / "step-8", 8, restart_point=False)
+    (tmp_path / "step-10").mkdir()
+    (tmp_path / "step-10" / ".metadata").write_bytes(b"x")
+    assert newest_restart_point(tmp_path) == 4
+    assert newest_restart_point(tmp_path / "missing") is None
+    assert newest_restart_point(None) is None
     assert daemon_hosts(LOST_DAEMON) == {"rh22bn2"}
     assert daemon_hosts(FAILED_DAEMON) == {"rh22bn2"}
     assert daemon_hosts("step 3 loss 8.0") == set()
@@ -170,6 +186,7 @@ class FakeJob:
                 if step % 4 == 0:
                     (self.ckpt / f"step-{step}").mkdir(parents=True, exist_ok=True)
                     (self.ckpt / f"step-{step}" / ".metadata").write_text("m")
+                    certify(self.ckpt / f"step-{step}", step)
         (out / "ledger.jsonl").write_text("".join(json.dumps({"step": s - 1}) + "\n"
                                                   for s in steps))
         if summary:
@@ -180,7 +197,7 @@ class FakeJob:
         return 0
 
 
-def test_driver_relaunches_from_the_newest_complete_checkpoint(tmp_path, monkeypatch):
+def test_driver_relaunches_from_the_newest_restart_point(tmp_path, monkeypatch):
     """A lost daemon after step 6 (checkpoint 4 complete): the next attempt runs on the other
     hosts plus the standby one, from step 4, the old job's processes ended on the hosts that
     answer; the outputs read as one run with the relaunch recorded."""

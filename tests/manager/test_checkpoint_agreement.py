@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from fakes import values_of
+from recover_hsdp import certificates
+from recover_hsdp.recovery import fingerprint
 from recover_hsdp.titan.trainer import ReplicaCheckpointer
 from test_manager import check_against_oracle, run_job
 
@@ -153,3 +155,98 @@ def test_a_save_that_fails_without_a_death_is_agreed_not_saved(tmp_path):
     assert event["step"] == 2 and not event["saved"] and not event["redone"]
     assert "No space left on device" in event["errors"][0]
     assert json.loads((tmp_path / "summary.json").read_text())["alive_replicas"] == 2
+
+
+# ---------------------------------------------------------------- [Note: certified checkpoints]
+
+
+def _certified(folder: Path, steps, fingerprint_of, tmp_path, replicas=3, faults=(),
+               last_save_model_only=False):
+    """A run whose saves are certified: ``fingerprint_of(work, step)`` is a rank's state
+    fingerprint at the save of ``step``."""
+    savers: dict = {}
+
+    def after_step(manager, work, step):
+        key = (work.world.replica, work.world.shard)
+        if key not in savers:
+            inner = StandInCheckpoints(folder, work, 2, steps)
+            inner.last_save_model_only = last_save_model_only
+            savers[key] = ReplicaCheckpointer(
+                inner, manager, state_fingerprint=lambda: fingerprint_of(work, work.step))
+        savers[key].save(step, last_step=step == steps)
+
+    return run_job(tmp_path, replicas=replicas, g=1, steps=steps, faults=faults,
+                   after_step=after_step)
+
+
+def _state_fingerprint(work, step):
+    return fingerprint(state_of(work))
+
+
+def test_every_agreed_save_is_certified_with_the_replicas_state(tmp_path):
+    """3 replicas, saves at 2 and 4 (the last model-only): each folder gets a certificate with
+    the fingerprint every replica holds; only step-2 is a restart point."""
+    folder = tmp_path / "ckpt"
+    hub, results = _certified(folder, 4, _state_fingerprint, tmp_path,
+                              last_save_model_only=True)
+    works = values_of(results)
+    check_against_oracle(tmp_path, works, 3, 4, b=3)
+    for step in (2, 4):
+        certificate = certificates.read(folder / f"step-{step}")
+        assert certificate.step == step and len(set(certificate.replicas.values())) == 1
+        assert certificate.state_fingerprint == certificate.replicas["0"]
+    assert certificates.restart_points(folder) == [2]
+    assert certificates.why_not_restart_point(folder / "step-4").startswith("model-only")
+
+
+def test_a_saver_outside_the_majority_is_not_certified_and_leaves(tmp_path):
+    """At step 4's save replica 0 (the saver) holds other state bits than replicas 1 and 2:
+    step-4 gets no certificate (the folder holds the minority's state) and replica 0 leaves;
+    the others finish with B."""
+    folder = tmp_path / "ckpt"
+
+    def fingerprint_of(work, step):
+        return _state_fingerprint(work, step) + (1 if (work.world.replica, step) == (0, 4) else 0)
+
+    hub, results = _certified(folder, 4, fingerprint_of, tmp_path)
+    works = values_of(results, killed=[(0, 0)])
+    assert certificates.restart_points(folder) == [2]
+    assert certificates.read(folder / "step-4") is None
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    (refused,) = [e for e in events if e.get("phase") == "certificate" and not e["certified"]]
+    assert refused["step"] == 4 and refused["diverged"] == [0]
+    assert sorted(works) == [(1, 0), (2, 0)]
+
+
+def test_a_load_is_verified_by_every_replica_with_one_verdict(tmp_path):
+    """After step 2 every rank reports what it "loaded": all of step-2's certified state
+    verifies; one replica one bit off refuses it on every rank with the same line; a rank whose
+    load raised refuses it on every rank too."""
+    folder = tmp_path / "ckpt"
+    verdicts: dict = {}
+
+    def after_step(manager, work, step):
+        key = (work.world.replica, work.world.shard)
+        mine = _state_fingerprint(work, step)
+        if step == 1 and key == (0, 0):  # the writer, before step 2's collectives
+            (folder / "step-1").mkdir(parents=True)
+            certificates.write(folder / "step-1", certificates.Certificate(
+                step=1, restart_point=True, state_fingerprint=f"{mine:016x}"))
+        if step == 2:
+            folder_1 = folder / "step-1"
+            state = fingerprint(manager_state[key])
+            verdicts[key] = [
+                manager.verify_checkpoint(1, folder_1, state),
+                manager.verify_checkpoint(1, folder_1, state ^ (key == (1, 0))),
+                manager.verify_checkpoint(1, folder_1, None if key == (2, 0) else state,
+                                          "RuntimeError: bad zip" if key == (2, 0) else "")]
+        manager_state[key] = state_of(work)
+
+    manager_state: dict = {}
+    hub, results = run_job(tmp_path, replicas=3, g=1, steps=2, after_step=after_step)
+    values_of(results)
+    assert len({tuple(v) for v in verdicts.values()}) == 1  # one verdict everywhere
+    ok, one_off, raised = verdicts[(0, 0)]
+    assert ok is None
+    assert one_off.startswith("does not verify (replica 1 loaded state fingerprint")
+    assert raised == "does not load (replica 2: RuntimeError: bad zip)"

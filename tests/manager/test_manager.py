@@ -103,10 +103,10 @@ def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", kee
             errors=None, update_errors=None, transient=None, work_class=None, policy_kwargs=None,
             manager_kwargs=None, after_step=None):
     """Run ``steps`` steps on every rank; returns (hub, {(r, s): StandInWork or exception}).
-    ``work_class`` (default ``StandInWork``), ``policy_kwargs`` and ``manager_kwargs`` extend
-    the rank's parts (tests/manager/test_culprits.py); ``after_step(manager, work,
-    step)`` runs between steps, where the trainer saves checkpoints
-    (tests/manager/test_checkpoint_agreement.py)."""
+    ``work_class`` (default ``StandInWork``), ``policy_kwargs`` and ``manager_kwargs`` (a dict,
+    or a function of the rank's work returning one) extend the rank's parts
+    (tests/manager/test_culprits.py); ``after_step(manager, work, step)`` runs between steps,
+    where the trainer saves checkpoints (tests/manager/test_checkpoint_agreement.py)."""
     hub = FakeHub(replicas, shards)
     errors, update_errors, transient = errors or {}, update_errors or {}, transient or {}
 
@@ -117,15 +117,16 @@ def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", kee
                                 keep_spares=keep_spares, data_assignment=mode,
                                 **(policy_kwargs or {}))
         outputs = RunMetrics(tmp_path, is_writer=world.world_rank == 0, mode="recover")
-        manager = RecoverManager(
-            world=world, bucket_sync=sync, policy=policy,
-            faults=FakeFaults(faults, hub, world.replica, world.shard, tmp_path),
-            outputs=outputs, out_dir=tmp_path, tokens_per_microbatch=TOKENS * shards,
-            die=lambda: hub.kill(world.replica, world.shard), **(manager_kwargs or {}))
         key = (world.replica, world.shard)
         work = (work_class or StandInWork)(world, units, errors.get(key), update_errors.get(key),
                            transient.get(key, set()))
         work.initial_replicas, work.bucket_sync = replicas, sync
+        extra = manager_kwargs(work) if callable(manager_kwargs) else manager_kwargs or {}
+        manager = RecoverManager(
+            world=world, bucket_sync=sync, policy=policy,
+            faults=FakeFaults(faults, hub, world.replica, world.shard, tmp_path),
+            outputs=outputs, out_dir=tmp_path, tokens_per_microbatch=TOKENS * shards,
+            die=lambda: hub.kill(world.replica, world.shard), **extra)
         for step in range(1, steps + 1):
             work.step = step
             record = manager.step(step, work)

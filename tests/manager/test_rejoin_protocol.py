@@ -25,7 +25,7 @@ from fakes import FakeHub, FakeUnit, Killed, Retired, run_ranks, values_of
 from recover_hsdp.config import BadReplicas, Tiers
 from recover_hsdp.manager import RecoverManager
 from recover_hsdp.outputs import RunMetrics
-from recover_hsdp.recovery import BucketSync
+from recover_hsdp.recovery import BucketSync, fingerprint
 from recover_hsdp.workload import WorkloadPolicy
 from recover_hsdp.workload.ledger import read_ledger
 from test_manager import TOKENS, UNITS, WIDTH, FakeFaults, StandInWork, oracle
@@ -58,8 +58,9 @@ class JoiningWork(StandInWork):
         self.updates += 1
         return norm
 
-    def checksum(self) -> float:
-        return float(sum(p.sum() for p in self.params))
+    def checksum(self) -> int:
+        """[Note: exact fingerprints]: a newcomer one bit off the donor is refused."""
+        return fingerprint([torch.from_numpy(p) for p in self.params])
 
     # JoinWork
     def join_meta(self) -> dict:
@@ -105,7 +106,7 @@ def run_rejoin_job(tmp_path, replicas, g, steps, faults=(), shards=1, respawn=1,
             faults=FakeFaults(faults, hub, world.replica, world.shard, tmp_path),
             outputs=outputs, out_dir=tmp_path, tokens_per_microbatch=TOKENS * shards,
             bad_replicas=BadReplicas(consistency_check_interval=1),
-            tiers=Tiers(respawn_after_steps=respawn), parameter_checksum=work.checksum,
+            tiers=Tiers(respawn_after_steps=respawn), parameter_fingerprint=work.checksum,
             die=lambda: hub.kill(world.replica, world.shard),
             joins=joins)
         return manager, work, outputs

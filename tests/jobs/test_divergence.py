@@ -1,0 +1,159 @@
+"""Silent corruption that stays finite, in real jobs: a flipped bit in one replica's parameters
+([Note: divergence votes] in manager/divergence.py) and changed bytes in a checkpoint ([Note:
+certified checkpoints] in recover_hsdp/certificates.py). Exact data assignment, so the loss of
+a run that absorbed the fault is checked against the failure-free run's."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import DEBUG_CONFIG, no_step_waited_for_a_deadline, read_jsonl, run_cli
+from recover_hsdp import certificates
+from recover_hsdp.collectives.processes import read_registry
+
+STEPS = 10
+BITFLIP = "phase=optimizer,mode=bitflip"
+
+
+def _train(out, replicas, *extra, faults=(), steps=STEPS, ok=True):
+    args = ["train", "--config", str(DEBUG_CONFIG), "--replicas", str(replicas), "--out", str(out),
+            *(a for f in faults for a in ("--fault", f)),
+            "--", "--training.steps", str(steps), "--recover.timeouts.hang_s", "20", *extra]
+    result = run_cli(args, timeout=400)
+    if ok:
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    return result
+
+
+def _events(out, phase):
+    return [e for e in read_jsonl(out / "events.jsonl") if e.get("phase") == phase]
+
+
+def _checkpoint(ckpt, interval):
+    return ["--checkpoint.enable", "--checkpoint.interval", str(interval),
+            "--checkpoint.folder", str(ckpt)]
+
+
+def _corrupt(folder: Path) -> None:
+    """One byte changed in the middle of the largest shard file of a DCP folder."""
+    shard = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
+def test_bitflip_in_one_of_4_replicas_is_voted_out(tmp_path, failure_free):
+    """4 x 1: replica 2 flips bit 20 of one parameter after step 3's update. Step 4's vote (3
+    against 1) sends it away before step 4's update: nothing it computed from the flipped
+    state is committed, B = 4 measured every step, the loss equals the failure-free run's.
+    Real process: the flip in the real FSDP2 parameter, the fingerprints in the real MPI
+    totals all-reduce, the culprit's rank ending itself, ULFM shrinking around it."""
+    _train(tmp_path, 4, faults=[f"replica=2,step=3,{BITFLIP}"])
+    steps = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert [s["reduced_microbatches"] for s in steps] == [4] * STEPS
+    assert [s["alive_replicas"] for s in steps] == [4, 4, 4] + [3] * 7
+    diffs = [abs(a["loss"] - r["loss"]) for a, r in zip(steps, failure_free["exact"])]
+    assert max(diffs) <= 1e-6, diffs
+    (vote,) = _events(tmp_path, "diverged")
+    assert vote["step"] == 4 and vote["diverged"] == [2]
+    assert len(set(vote["fingerprints"].values())) == 2
+    ledger = read_jsonl(tmp_path / "ledger.jsonl")
+    assert "2" not in {r for r, w in ledger[3]["replicas"].items() if w["committed"]}
+    (death,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if "dead_replicas" in e]
+    assert death["step"] == 4 and death["dead_replicas"] == [2]
+    assert "diverged" in death["errors"]["2"][0]
+    assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []
+    no_step_waited_for_a_deadline(steps)
+
+
+def test_restart_skips_a_model_only_save_and_refuses_a_changed_byte(tmp_path, local_corpus):
+    """2 x 1, checkpoints every 2 of 8 steps (TorchTitan's default makes the last save,
+    step-8, model-only), then one byte of step-6's largest shard file changed. The same folder
+    restarted (the same 8 steps: the LR schedule spans them): step-8 is skipped (not a restart
+    point), step-6 refused (it loads other bits than its certificate), step-4 loaded; steps
+    5..8 repeat the first run's losses.
+    Real process: TorchTitan's DCP save and load, the fingerprints agreed over MPI."""
+    ckpt = tmp_path / "ckpt"
+    _train(tmp_path / "first", 2, *_checkpoint(ckpt, 2), steps=8)
+    first = read_jsonl(tmp_path / "first" / "metrics.jsonl")
+    assert certificates.complete_checkpoints(ckpt) == [8, 6, 4, 2]
+    assert certificates.restart_points(ckpt) == [6, 4, 2]
+    assert [(e["step"], e["certified"], e["restart_point"])
+            for e in _events(tmp_path / "first", "certificate")] == [
+        (2, True, True), (4, True, True), (6, True, True), (8, True, False)]
+    _corrupt(ckpt / "step-6")
+    result = _train(tmp_path / "again", 2, *_checkpoint(ckpt, 20), steps=8)
+    again = read_jsonl(tmp_path / "again" / "metrics.jsonl")
+    assert [s["step"] for s in again] == [5, 6, 7, 8]
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(again, first[4:])]
+    assert max(diffs) <= 1e-6, diffs
+    lines = [x for x in result.stdout.splitlines() if "refused:" in x]
+    assert len(lines) == 2, lines
+    assert "checkpoint step-8 refused: model-only" in lines[0]
+    assert "checkpoint step-6 refused: does not" in lines[1]
+    (load,) = _events(tmp_path / "again", "checkpoint load")
+    assert load["loaded"] == 4 and sorted(load["refused"]) == ["6", "8"]
+
+
+@pytest.mark.slow  # the 4 x 1 vote is in the default suite; this adds the rejoin
+def test_bitflipped_replica_comes_back_fresh(tmp_path, local_corpus):
+    """4 x 1, 40 steps (a newcomer's start-up outlasts 10 short ones), ``respawn_after_steps =
+    2``: replica 2 is voted out at step 4 and a fresh replacement joins from a healthy donor;
+    the run ends with 4 replicas, no vote after the join finds anything, B every step, the
+    loss equals a failure-free run's of the same length (the LR schedule spans it)."""
+    steps_n = 40
+    _train(tmp_path / "ref", 4, steps=steps_n)
+    _train(tmp_path / "run", 4, "--recover.tiers.respawn_after_steps", "2", steps=steps_n,
+           faults=[f"replica=2,step=3,{BITFLIP}"])
+    steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    reference = read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+    assert [s["reduced_microbatches"] for s in steps] == [4] * steps_n
+    assert steps[3]["alive_replicas"] == 3 and steps[-1]["alive_replicas"] == 4
+    diffs = [abs(a["loss"] - r["loss"]) for a, r in zip(steps, reference)]
+    assert max(diffs) <= 1e-6, diffs
+    assert [e["step"] for e in _events(tmp_path / "run", "diverged")] == [4]
+    assert [p.pid for p in read_registry(tmp_path / "run") if p.state() is not None] == []
+
+
+@pytest.mark.slow  # the protocol is in process (tests/manager/test_divergence.py)
+def test_two_replicas_that_diverge_go_back_to_a_certified_checkpoint(tmp_path, local_corpus):
+    """2 x 1, checkpoints every step: replica 1 flips a bit after step 3's update; step 4's
+    vote has no strict majority, so no rank trains on: the job ends and the relaunch tier
+    starts it again from the newest certified checkpoint. step-3 is changed on disk meanwhile
+    (a byte of its largest file, as soon as its certificate exists), so the relaunch refuses it
+    and loads step-2; the run completes 10 steps and step 3 repeats its first loss. With the
+    relaunch tier off the same fault stops the run with the one line."""
+    ckpt = tmp_path / "ckpt"
+    stop = threading.Event()
+
+    def corrupt_step_3():
+        while not stop.is_set():
+            if certificates.read(ckpt / "step-3") is not None:
+                _corrupt(ckpt / "step-3")
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=corrupt_step_3, daemon=True)
+    watcher.start()
+    result = _train(tmp_path / "run", 2, *_checkpoint(ckpt, 1),
+                    faults=[f"replica=1,step=3,{BITFLIP}"])
+    stop.set()
+    steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    first = read_jsonl(tmp_path / "run" / "relaunch" / "attempt-0" / "metrics.jsonl")
+    assert [s["step"] for s in first] == [1, 2, 3]          # step 4 was never committed
+    assert abs(steps[2]["loss"] - first[2]["loss"]) <= 1e-6
+    assert "no strict majority" in result.stdout
+    assert "checkpoint step-3 refused: does not" in result.stdout
+
+    stopped = _train(tmp_path / "off", 2, "--recover.tiers.max_relaunches", "0",
+                     faults=[f"replica=1,step=3,{BITFLIP}"], ok=False)
+    assert stopped.returncode != 0
+    lines = [x for x in stopped.stderr.splitlines() if x.startswith("recover-hsdp: no relaunch")]
+    assert len(lines) == 1 and "step 4: refusing to commit" in lines[0], stopped.stderr[-2000:]
+    assert [s["step"] for s in read_jsonl(tmp_path / "off" / "metrics.jsonl")] == [1, 2, 3]
