@@ -122,23 +122,24 @@ def test_bitflipped_replica_comes_back_fresh(tmp_path, local_corpus):
 
 @pytest.mark.slow  # the protocol is in process (tests/manager/test_divergence.py)
 def test_two_replicas_that_diverge_go_back_to_a_certified_checkpoint(tmp_path, local_corpus):
-    """2 x 1, checkpoints every step: replica 1 flips a bit after step 3's update; step 4's
-    vote has no strict majority, so no rank trains on: the job ends and the relaunch tier
-    starts it again from the newest certified checkpoint. step-3 is changed on disk meanwhile
-    (a byte of its largest file, as soon as its certificate exists), so the relaunch refuses it
-    and loads step-2; the run completes 10 steps and step 3 repeats its first loss. With the
-    relaunch tier off the same fault stops the run with the one line."""
+    """2 x 1, checkpoints every step: replica 1 flips a bit after step 3's update. Step 3's save
+    is then not certified (the certificate's vote has no strict majority) and step 4's vote
+    refuses the step, so no rank trains on: the job ends and the relaunch tier starts it again
+    from the newest certified checkpoint, step-2. step-2 is changed on disk meanwhile (a byte
+    of its largest file, once step 3's save is complete), so the relaunch refuses it in one
+    line and loads step-1; the run completes 10 steps and steps 2-3 repeat their first losses.
+    With the relaunch tier off the same fault stops the run with the one line."""
     ckpt = tmp_path / "ckpt"
     stop = threading.Event()
 
-    def corrupt_step_3():
+    def corrupt_step_2():
         while not stop.is_set():
-            if certificates.read(ckpt / "step-3") is not None:
-                _corrupt(ckpt / "step-3")
+            if (ckpt / "step-3" / ".metadata").is_file():
+                _corrupt(ckpt / "step-2")
                 return
             time.sleep(0.05)
 
-    watcher = threading.Thread(target=corrupt_step_3, daemon=True)
+    watcher = threading.Thread(target=corrupt_step_2, daemon=True)
     watcher.start()
     result = _train(tmp_path / "run", 2, *_checkpoint(ckpt, 1),
                     faults=[f"replica=1,step=3,{BITFLIP}"])
@@ -147,9 +148,13 @@ def test_two_replicas_that_diverge_go_back_to_a_certified_checkpoint(tmp_path, l
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     first = read_jsonl(tmp_path / "run" / "relaunch" / "attempt-0" / "metrics.jsonl")
     assert [s["step"] for s in first] == [1, 2, 3]          # step 4 was never committed
-    assert abs(steps[2]["loss"] - first[2]["loss"]) <= 1e-6
+    assert max(abs(steps[i]["loss"] - first[i]["loss"]) for i in (1, 2)) <= 1e-6
+    certified = [(e["step"], e["certified"]) for e in _events(tmp_path / "run", "certificate")
+                 if e["attempt"] == 0]
+    assert certified == [(1, True), (2, True), (3, False)]
     assert "no strict majority" in result.stdout
-    assert "checkpoint step-3 refused: does not" in result.stdout
+    lines = [x for x in result.stdout.splitlines() if "refused:" in x]
+    assert len(lines) == 1 and "checkpoint step-2 refused: does not" in lines[0], lines
 
     stopped = _train(tmp_path / "off", 2, "--recover.tiers.max_relaunches", "0",
                      faults=[f"replica=1,step=3,{BITFLIP}"], ok=False)
