@@ -190,7 +190,7 @@ class FaultInjector:
     def at(self, step: int, phase: Phase, bucket: int | None = None,
            buckets_total: int | None = None, point: ConsensusPoint | None = None,
            tensors: tuple = (), last_microbatch_s: float | None = None,
-           updated=None) -> None:
+           updated=None, microbatch: int | None = None) -> None:
         """``tensors``: what a ``mode=nan`` fault poisons (a bucket and its snapshot);
         ``last_microbatch_s``: this rank's last microbatch (the base of ``mode=slow,times=F``);
         ``updated``: given at the point right after the update, ``updated(element, bit)`` flips

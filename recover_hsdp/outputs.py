@@ -33,8 +33,8 @@ def clear_run_files(out_dir: str | Path, keep: tuple[str, ...] = ()) -> list[str
         if path.exists():
             path.unlink()
             removed.append(path.name)
-    for folder in ("membership", "errors", "samples", "join", "start"):  # claims, errors, data
-        # log, joins, start-up records
+    for folder in ("membership", "errors", "samples", "join", "start", "status"):  # claims,
+        # errors, data log, joins, start-up records, rank status
         if folder not in keep and (out_dir / folder).is_dir():
             shutil.rmtree(out_dir / folder)
             removed.append(f"{folder}/")

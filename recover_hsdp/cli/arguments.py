@@ -80,6 +80,10 @@ def parser(description: str = "") -> argparse.ArgumentParser:
                       help="host to start the replacement on (default: the job's hosts)")
     join.add_argument("--timeout", type=_number(float, 1.0, what=" (seconds)"), default=600.0,
                       help="seconds to wait for the job to take the request (default 600)")
+    watch = sub.add_parser("status", allow_abbrev=False,
+                           help="what every rank of a job is doing and how far the run got "
+                                "(read from the files the ranks keep current)")
+    watch.add_argument("out", type=output_folder, help="the job's output directory")
     demo = sub.add_parser("demo", allow_abbrev=False,
                           help="the failure demo: a failure-free reference run, then the same "
                                "job with replicas SIGKILLed during the gradient sync")

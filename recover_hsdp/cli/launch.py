@@ -294,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         from recover_hsdp.cli.join import run_join
 
         return run_join(args)
+    if args.command == "status":
+        from recover_hsdp.cli.status import run_status
+
+        return run_status(args)
     if args.command == "demo":
         from recover_hsdp.cli.demo import run_demo
 

@@ -55,7 +55,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 
@@ -228,6 +228,9 @@ class MpiGuard:
         self._call: tuple[str, float, float] | None = None  # (name, started, deadline)
         self._paused = 0
         self._stop = threading.Event()
+        # public: on_hung(reason) on the watchdog thread just before it kills this rank (the
+        # manager records where the main thread was: [Note: rank status], recover_hsdp/status.py)
+        self.on_hung: Callable[[str], None] | None = None
         self._thread = threading.Thread(target=self._watch, name="recover-hsdp-watchdog", daemon=True)
         self._thread.start()
 
@@ -299,4 +302,9 @@ class MpiGuard:
         while not self._stop.wait(poll):
             reason = self.verdict(time.monotonic())
             if reason is not None:
+                if self.on_hung is not None:
+                    try:
+                        self.on_hung(reason)
+                    except Exception as err:  # noqa: BLE001 - a report; the kill comes first
+                        log_line(f"on_hung failed: {err!r}")
                 die(reason)

@@ -22,7 +22,7 @@ class World(Protocol):
     collectives whose failure fails the epoch (never raises, never hangs: [Note: guarded
     calls] in guarded.py). Callbacks: ``on_phase(name)`` before each step of the consensus,
     ``on_failed(ranks)`` when a call names failed ranks, ``on_leave()`` when this rank leaves
-    normally."""
+    normally, ``on_hung(reason)`` (watchdog thread) just before the hang watchdog kills it."""
 
     world_rank: int
     replica: int
@@ -33,6 +33,7 @@ class World(Protocol):
     on_phase: Callable[[str], None] | None
     on_failed: Callable[[list[int]], None] | None
     on_leave: Callable[[], None] | None
+    on_hung: Callable[[str], None] | None
 
     epoch: int
 

@@ -165,6 +165,15 @@ class FaultTolerantWorld(GuardedCalls):
         """Context manager: no hang detection inside (MPI-call deadlines still apply)."""
         return self._guard.paused()
 
+    @property
+    def on_hung(self) -> Callable[[str], None] | None:
+        """Called with the reason on the watchdog thread just before it kills a hung rank."""
+        return self._guard.on_hung
+
+    @on_hung.setter
+    def on_hung(self, callback: Callable[[str], None] | None) -> None:
+        self._guard.on_hung = callback
+
     # -- consensus and repair ---------------------------------------------------------------------
     def consensus(self, ok: bool) -> ConsensusResult:
         """Uniformly agree that this epoch was clean on every rank (``ok`` is this rank's verdict).

@@ -344,7 +344,8 @@ class Faults:
     ``replica=R,step=N,phase=P[,rank=K][,mode=M][,bucket=B]`` with P in
     forward|backward|grad_sync|consensus|rereduce|optimizer|checkpoint|finish and M in
     sigkill|exit|hang|stop|raise|busy, or a replica that stays alive but is bad: nan (grad_sync,
-    ``bucket=B``), inf_loss, slow (forward, ``seconds=S`` per microbatch, ``steps=K``) (see
+    ``bucket=B``), inf_loss, slow (forward, ``seconds=S`` per microbatch, ``steps=K``), bitflip
+    (optimizer, ``element=E``, ``bit=K``: one bit of the parameter shard after the update) (see
     :mod:`recover_hsdp.faults`)."""
 
     every: int = 0

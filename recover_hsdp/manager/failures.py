@@ -18,12 +18,14 @@ for is left alive. Before dying the rank writes its reason to ``errors/`` in the
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
+from recover_hsdp import status
 from recover_hsdp.collectives.guard import die as kill_self
 from recover_hsdp.groups.replica_group import leave_replica
-from recover_hsdp.outputs import RunMetrics
+from recover_hsdp.outputs import RunMetrics, write_reason
 from recover_hsdp.workload import DataAssignment, WorkloadPolicy
 
 
@@ -47,6 +49,21 @@ class FailureLog:
         leave_replica(self.out_dir, self.world, step, reason,
                       headline="error inside the replica", end=self._end)
 
+    def hung(self, reason: str, latest: dict[str, Any] | None) -> None:
+        """[Note: rank status] (recover_hsdp/status.py): this rank's watchdog is about to end
+        it (on the watchdog thread): where the main thread was goes to ``errors/``."""
+        where = status.describe(latest) if latest else "before its first phase point"
+        write_reason(self.out_dir, {
+            "step": latest["step"] if latest else 0, "replica": self.world.replica,
+            "shard": self.world.shard, "rank": self.world.world_rank,
+            "reason": f"hung at {where}: {reason}", "phase": latest and latest["phase"],
+            "stack": status.main_thread_stack(), "time": time.time()})
+
+    def last_seen(self, replicas) -> dict[str, dict[str, Any]]:
+        """The last status record of every rank of ``replicas`` ([Note: rank status])."""
+        return {str(rank): record for rank, record in status.read_all(self.out_dir).items()
+                if record.get("replica") in replicas}
+
     def reasons(self, replicas) -> dict[str, list[str]]:
         """Reasons the ranks of ``replicas`` wrote before leaving."""
         found: dict[str, list[str]] = {}
@@ -67,7 +84,8 @@ class FailureLog:
             "step": step, "epoch": result.epoch, **detail, "dead_replicas": sorted(dead),
             "alive_replicas": list(result.alive_replicas), "detect_s": result.detect_s,
             "repair_s": result.repair_s, "repair_rounds": result.rounds,
-            "errors": self.reasons(dead), **unread_streams(policy, dead)})
+            "errors": self.reasons(dead), "last_seen": self.last_seen(dead) if dead else {},
+            **unread_streams(policy, dead)})
 
 
 def unread_streams(policy: WorkloadPolicy, dead) -> dict[str, Any]:

@@ -77,6 +77,7 @@ from recover_hsdp.manager.writer import WriterDuties
 from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.phases import Phase, profiler_labels
 from recover_hsdp.recovery.fingerprint import flip_bit, from_halves, halves
+from recover_hsdp.status import RankStatus
 from recover_hsdp.workload import DataRef, Role, WorkloadPolicy
 
 
@@ -108,6 +109,8 @@ class RecoverManager:
         counts_data: this rank's loss and token counts enter the step's totals (False on the
             tensor-parallel peers of an FSDP rank: they computed the same microbatch).
         joins: the join primitives for :class:`Rejoin` (tests: the fake world's).
+        status: this rank's ``RankStatus`` ([Note: rank status] in recover_hsdp/status.py): every
+            phase point kept current on disk, where a hang was recorded (None: none).
     """
 
     def __init__(self, *, world, bucket_sync, policy: WorkloadPolicy, faults: FaultInjector,
@@ -115,7 +118,7 @@ class RecoverManager:
                  bad_replicas: BadReplicas | None = None, tiers: Tiers | None = None,
                  parameter_fingerprint: Callable[[], int] | None = None, restart_point: str = "",
                  procs: Sequence[ProcessInfo] = (), die: Callable[[], None] | None = None,
-                 counts_data: bool = True, joins=None):
+                 counts_data: bool = True, joins=None, status: RankStatus | None = None):
         bad_replicas = bad_replicas or BadReplicas(consistency_check_interval=0)
         tiers = tiers or Tiers()
         self.world, self.bucket_sync, self.policy = world, bucket_sync, policy
@@ -129,6 +132,9 @@ class RecoverManager:
         # every point is progress for the hang bound ([Note: a hang bound from progress] in
         # collectives/guard.py): before the injector, whose hang then starts a measured gap
         self.phases.subscribe(lambda step, phase, detail: world.heartbeat())
+        self.status = status
+        if status is not None:  # [Note: rank status]: before the injector, whose hang then
+            self.phases.subscribe(status.point)  # shows the point it stopped at
         self.phases.subscribe(faults.on_phase)
         self.phases.open_spans_with(profiler_labels)
         self.phases.open_spans_with(self.timer)
@@ -157,6 +163,8 @@ class RecoverManager:
         bucket_sync.on_bucket = self._bucket_point
         world.on_phase = self._consensus_point  # the consensus's stages are points of it
         world.on_failed = self._on_failed
+        if status is not None:
+            world.on_hung = lambda reason: self.failures.hung(reason, status.latest)
 
     # ---------------------------------------------------------------- this rank
 
@@ -287,7 +295,8 @@ class RecoverManager:
                 waited = self.bucket_sync.reduce_s
                 if last:
                     sync_started = microbatch_started
-                point(step, Phase.FORWARD, last_microbatch_s=self._last_microbatch_s)
+                point(step, Phase.FORWARD, last_microbatch_s=self._last_microbatch_s,
+                      microbatch=ids[index] if ids else None)
                 measured = work.forward_backward(
                     data_id, state.nominal_tokens, lambda: point(step, Phase.BACKWARD))
                 measured = (self.faults.loss_of(step, measured[0]), *measured[1:])
@@ -512,11 +521,15 @@ class RecoverManager:
         told to exit first."""
         self.rejoin.abandon(self._current_step)
         self.between_steps.finish_run(write_outputs, self._current_step, self.policy)
+        if self.status is not None:
+            self.status.close()
 
     def close(self) -> None:
         """Without ``finish_run`` (a run that failed): close the ledger, then the world's last
         fault-tolerant agreement."""
         self.writer.close()
+        if self.status is not None:
+            self.status.close()
         self.world.finish()
 
     # ---------------------------------------------------------------- state

@@ -52,6 +52,7 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
     from recover_hsdp.config import (data_ranks_per_replica, initial_replica_count,
                                      microbatches_per_replica)
     from recover_hsdp.recovery import BucketSync, parameter_fingerprint
+    from recover_hsdp.status import RankStatus
 
     rc, training = job_config.recover, job_config.training
     out_dir = job_config.job.dump_folder
@@ -76,7 +77,8 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
         tokens_per_microbatch=fsdp_degree * training.local_batch_size * training.seq_len,
         counts_data=placement.shard % tp == 0,
         bad_replicas=rc.bad_replicas, tiers=rc.tiers,
-        parameter_fingerprint=lambda: parameter_fingerprint(model), procs=procs)
+        parameter_fingerprint=lambda: parameter_fingerprint(model), procs=procs,
+        status=RankStatus(out_dir, placement.world_rank, placement.replica, placement.shard))
     if heartbeat is not None:  # a rank leaving normally says goodbye to its replica peers
         world.on_leave = heartbeat.stand_down
     return manager

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -202,8 +205,12 @@ def test_a_stuck_main_thread_costs_tens_of_seconds_with_the_default_settings(
     progress, is the 30 s floor: it kills itself, the others repair, step 3 commits B. Before the
     learned bound this run took 324 s (the fixed 300 s).
     Real process: a live process whose main thread is stuck (its watchdog thread runs)."""
+    seen: list[str] = []
+    watcher = threading.Thread(target=_watch_status, args=(tmp_path, seen), daemon=True)
+    watcher.start()
     result, steps, wall = _train(tmp_path, hang_timeout=None,
                                  faults=["replica=3,step=3,phase=backward,mode=hang"])
+    watcher.join(timeout=60)
     summary = _check(tmp_path, steps, failure_free, alive_after=3, wall=wall,
                      hang_timeout_s=300.0)
     assert [s["alive_replicas"] for s in steps] == [4, 4] + [3] * 8
@@ -221,6 +228,29 @@ def test_a_stuck_main_thread_costs_tens_of_seconds_with_the_default_settings(
     assert summary["wall_s"] < ceiling, summary["wall_s"]   # the whole run < the old bound
     (event,) = read_jsonl(tmp_path / "events.jsonl")
     assert event["dead_replicas"] == [3] and event["step"] == 3
+    # [Note: rank status]: where it hung, recorded by its watchdog thread before the kill, and
+    # `recover-hsdp status` run on the live job while it hung
+    (reason,) = event["errors"]["3"]
+    assert reason.startswith("rank 3 step 3: hung at step 3 backward for "), reason
+    stack = json.loads((tmp_path / "errors" / "rank3.json").read_text())["stack"]
+    assert any("time.sleep(3600)" in line for line in stack), stack
+    assert any(line.startswith("rank 3 (replica 3, shard 0") and "step 3 backward" in line
+               for line in seen), seen
+
+
+def _watch_status(out, seen: list[str]) -> None:
+    """Run ``recover-hsdp status`` on the running job until rank 3 has been seen stuck in
+    step 3's backward for over 5 s (or the run's summary exists); the lines go to ``seen``."""
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and not (out / "summary.json").exists():
+        result = subprocess.run([sys.executable, "-m", "recover_hsdp.cli.launch", "status",
+                                 str(out)], capture_output=True, text=True, timeout=60)
+        stuck = [line for line in result.stdout.splitlines()
+                 if line.startswith("rank 3 ") and "step 3 backward" in line]
+        if stuck and float(re.search(r"for ([\d.]+) s", stuck[0]).group(1)) > 5:
+            seen.extend(stuck)
+            return
+        time.sleep(1.0)
 
 
 @pytest.mark.soak  # tests/collectives/test_hang_bound.py proves the bound's logic
@@ -274,4 +304,10 @@ def test_frozen_rank_of_a_2x2_replica(tmp_path, data_plane):
                                  faults=["replica=1,step=2,phase=backward,rank=1,mode=stop"],
                                  extra=["--training.steps", "4", "--recover.reduce.plane",
                                         data_plane])
-    assert _check_2x2(tmp_path, steps, wall, [2, 1, 1, 1])["detect_s"] < 15
+    event = _check_2x2(tmp_path, steps, wall, [2, 1, 1, 1])
+    assert event["detect_s"] < 15
+    # [Note: rank status]: what the frozen rank was doing, from its status file (its last
+    # point, in the page cache of this host when SIGSTOP froze every thread)
+    frozen = event["last_seen"]["3"]
+    assert (frozen["replica"], frozen["shard"], frozen["step"]) == (1, 1, 2), frozen
+    assert frozen["phase"] in ("forward", "backward"), frozen
