@@ -100,7 +100,7 @@ def test_restart_skips_a_model_only_save_and_refuses_a_changed_byte(tmp_path, lo
     assert load["loaded"] == 4 and sorted(load["refused"]) == ["6", "8"]
 
 
-@pytest.mark.slow  # the 4 x 1 vote is in the default suite; this adds the rejoin
+@pytest.mark.soak  # the 4 x 1 vote (default suite) and tests/jobs/test_rejoin.py; passed once (190 s)
 def test_bitflipped_replica_comes_back_fresh(tmp_path, local_corpus):
     """4 x 1, 40 steps (a newcomer's start-up outlasts 10 short ones), ``respawn_after_steps =
     2``: replica 2 is voted out at step 4 and a fresh replacement joins from a healthy donor;
