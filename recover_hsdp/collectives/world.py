@@ -116,6 +116,9 @@ class FaultTolerantWorld(GuardedCalls):
         self.on_leave: Callable[[], None] | None = None
         self.world_rank, self.replica, self.shard = -1, -1, -1
         self._guard = MpiGuard(self.deadlines, name=name)
+        # public: on_hung(reason) on the watchdog thread just before it kills this hung rank
+        self.on_hung: Callable[[str], None] | None = None
+        self._guard.on_hung = lambda reason: self.on_hung and self.on_hung(reason)
         self._global: MPI.Comm | None = None
         self._shard: MPI.Comm | None = None
         self._base_group: MPI.Group | None = None
@@ -165,14 +168,6 @@ class FaultTolerantWorld(GuardedCalls):
         """Context manager: no hang detection inside (MPI-call deadlines still apply)."""
         return self._guard.paused()
 
-    @property
-    def on_hung(self) -> Callable[[str], None] | None:
-        """Called with the reason on the watchdog thread just before it kills a hung rank."""
-        return self._guard.on_hung
-
-    @on_hung.setter
-    def on_hung(self, callback: Callable[[str], None] | None) -> None:
-        self._guard.on_hung = callback
 
     # -- consensus and repair ---------------------------------------------------------------------
     def consensus(self, ok: bool) -> ConsensusResult:

@@ -2,7 +2,7 @@
 certified checkpoints] in recover_hsdp/certificates.py): a stand-in for TorchTitan's
 ``CheckpointManager`` (records what it loaded) and for the manager (the agreed verdicts); the
 agreement itself is tests/manager/test_checkpoint_agreement.py, the real job
-tests/jobs/test_divergence.py."""
+tests/jobs/test_silent_corruption.py."""
 
 from __future__ import annotations
 
