@@ -4,9 +4,11 @@ Faults come from ``[recover.faults]`` (``inject``: specs separated by ";") or th
 repeatable ``--fault replica=R,step=N,phase=P[,rank=K][,mode=M][,bucket=B][,at=A]`` (M in
 sigkill|exit|hang|stop|raise|busy|nan|inf_loss|slow|bitflip; A, for phase=consensus only, where inside the
 consensus: consensus (before the agreement, the default), shrink, rebuild, agree-membership),
-plus an optional paper-like schedule: one failure every ``every`` steps at a seeded random step
-inside each interval, until ``max_failures`` replicas are lost. Every rank expands the same
-schedule, so no messages are needed.
+plus an optional paper-like schedule (:func:`failure_schedule`): one failure every ``every``
+steps at a seeded random step inside each interval, ``max_failures`` in all, each of a mode
+drawn from ``modes``; its victim is drawn when the step is planned, among the replicas alive
+at that step (newcomers included; never the lowest alive one, so one survivor remains), from
+the agreed membership, so every rank draws the same victim with no message.
 
 ``rank=K`` kills only shard rank K of the replica (its peers must then leave with it: a replica
 lives or dies as a unit); without it every rank of the replica dies at the same point.
@@ -48,8 +50,8 @@ from pathlib import Path
 from recover_hsdp.errors import ConfigError
 from recover_hsdp.phases import Phase
 
-__all__ = ["ConsensusPoint", "FaultInjector", "FaultSpec", "Mode", "Phase", "build_injector",
-           "paper_schedule"]
+__all__ = ["ConsensusPoint", "FaultInjector", "FaultSpec", "Mode", "Phase", "ScheduledFault",
+           "build_injector", "failure_schedule", "schedule_modes"]
 
 
 class Mode(str, enum.Enum):
@@ -159,25 +161,68 @@ def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
                           "(2: every microbatch twice as long)")
 
 
-def paper_schedule(replicas: int, every: int, max_failures: int, phase: Phase, seed: int,
-                   protect: int = 0) -> list[FaultSpec]:
-    """One failure per ``every``-step interval at a seeded random step, victims drawn without
-    replacement (never replica ``protect``, so one survivor always remains)."""
+#: The modes a schedule may draw (slow and busy are not failures of one step).
+SCHEDULE_MODES = (Mode.SIGKILL, Mode.EXIT, Mode.HANG, Mode.STOP, Mode.RAISE, Mode.NAN,
+                  Mode.INF_LOSS, Mode.BITFLIP)
+
+
+@dataclass(frozen=True)
+class ScheduledFault:
+    """One failure of the schedule: its step, mode, phase and ``pick`` in [0, 1), which of
+    the candidates alive at that step is the victim (:meth:`victim`)."""
+
+    step: int
+    mode: Mode
+    phase: Phase
+    pick: float
+
+    def victim(self, alive) -> int | None:
+        """The victim among the ``alive`` replicas (sorted; never the lowest), or None."""
+        candidates = sorted(alive)[1:]
+        return candidates[int(self.pick * len(candidates))] if candidates else None
+
+    def spec(self, replica: int) -> FaultSpec:
+        return FaultSpec(replica=replica, step=self.step, phase=self.phase, mode=self.mode)
+
+
+def failure_schedule(every: int, max_failures: int, phase: Phase, seed: int,
+                     modes=(Mode.SIGKILL,)) -> list[ScheduledFault]:
+    """``max_failures`` failures, one per ``every``-step interval at a seeded random step, each
+    of a mode drawn from ``modes`` (a mode with a phase of its own fires there: nan at
+    grad_sync, bitflip at optimizer); the victims are drawn when their step is planned."""
     rng = random.Random(seed)
-    victims = [r for r in range(replicas) if r != protect]
-    rng.shuffle(victims)
-    specs = []
-    for index, victim in enumerate(victims[:max_failures]):
+    schedule = []
+    for index in range(max_failures if every > 0 else 0):
         step = index * every + rng.randint(1, every)
-        specs.append(FaultSpec(replica=victim, step=step, phase=phase))
-    return specs
+        mode = modes[rng.randrange(len(modes))]
+        own = _BAD_REPLICA_PHASES.get(mode)
+        schedule.append(ScheduledFault(step, mode, own[0] if own else phase, rng.random()))
+    return schedule
+
+
+def schedule_modes(text: str, phase: Phase) -> tuple[Mode, ...]:
+    """``[recover.faults] modes`` (comma-separated) checked; a ``ConfigError`` names the field."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    allowed = ", ".join(m.value for m in SCHEDULE_MODES)
+    try:
+        modes = tuple(Mode(name) for name in names)
+    except ValueError:
+        modes = ()
+    if not modes or any(m not in SCHEDULE_MODES for m in modes):
+        raise ConfigError(f"recover.faults.modes={text!r}: use a comma-separated list of {allowed}")
+    if Mode.RAISE in modes and phase is Phase.CONSENSUS:
+        raise ConfigError("recover.faults.modes: raise cannot fire inside the consensus "
+                          "(recover.faults.phase=consensus): drop raise or pick another phase")
+    return modes
 
 
 class FaultInjector:
     """Fires this rank's faults at the (step, phase[, bucket | point]) the phase hooks announce."""
 
-    def __init__(self, specs: list[FaultSpec], replica: int, shard: int, out_dir: str | Path):
+    def __init__(self, specs: list[FaultSpec], replica: int, shard: int, out_dir: str | Path,
+                 schedule: list[ScheduledFault] = ()):
         self.mine = [s for s in specs if s.replica == replica and s.rank in (None, shard)]
+        self.schedule = {f.step: f for f in schedule}  # drawn at the step's plan point
         self.replica, self.shard = replica, shard
         self.out_dir = Path(out_dir)
         self._recorded: set[FaultSpec] = set()  # faults that fire many times, recorded once
@@ -190,11 +235,16 @@ class FaultInjector:
     def at(self, step: int, phase: Phase, bucket: int | None = None,
            buckets_total: int | None = None, point: ConsensusPoint | None = None,
            tensors: tuple = (), last_microbatch_s: float | None = None,
-           updated=None, microbatch: int | None = None) -> None:
+           updated=None, microbatch: int | None = None, alive=None) -> None:
         """``tensors``: what a ``mode=nan`` fault poisons (a bucket and its snapshot);
         ``last_microbatch_s``: this rank's last microbatch (the base of ``mode=slow,times=F``);
         ``updated``: given at the point right after the update, ``updated(element, bit)`` flips
-        a bit of the shard (``mode=bitflip`` fires only there, nothing else does)."""
+        a bit of the shard (``mode=bitflip`` fires only there, nothing else does); ``alive``:
+        the plan point's replicas alive at the step, among which the schedule draws."""
+        if alive is not None and step in self.schedule:
+            drawn = self.schedule.pop(step)
+            if drawn.victim(alive) == self.replica:
+                self.mine.append(drawn.spec(self.replica))
         for spec in self.mine:
             if spec.phase != phase or not spec.covers(step):
                 continue
@@ -290,7 +340,8 @@ class FaultInjector:
 def build_injector(fault_config, replicas: int, replica: int, shard: int,
                    out_dir: str | Path) -> FaultInjector:
     specs = [FaultSpec.parse(t) for t in fault_config.inject.split(";") if t.strip()]
-    if fault_config.every > 0:
-        specs += paper_schedule(replicas, fault_config.every, fault_config.max_failures,
-                                Phase(fault_config.phase), fault_config.seed)
-    return FaultInjector(specs, replica, shard, out_dir)
+    phase = Phase(fault_config.phase)
+    schedule = failure_schedule(fault_config.every, fault_config.max_failures, phase,
+                                fault_config.seed, schedule_modes(fault_config.modes, phase)) \
+        if fault_config.every > 0 else []
+    return FaultInjector(specs, replica, shard, out_dir, schedule)

@@ -349,11 +349,17 @@ class Faults:
     :mod:`recover_hsdp.faults`)."""
 
     every: int = 0
-    """Paper-like schedule: one replica failure per ``every`` steps at a seeded random step in
-    each interval (0: off)."""
+    """Paper-like schedule: one failure per ``every`` steps at a seeded random step in each
+    interval (0: off); its victim is drawn among the replicas alive at that step, newcomers
+    included, never the lowest alive one."""
 
     max_failures: int = 0
-    """Schedule: stop after this many replicas were lost."""
+    """Schedule: this many failures in all."""
+
+    modes: str = "sigkill"
+    """Schedule: the modes each failure is drawn from, comma-separated (sigkill, exit, hang,
+    stop, raise, nan, inf_loss, bitflip; e.g. ``"sigkill,stop,raise,nan,bitflip"``); nan fires
+    at grad_sync and bitflip at optimizer whatever ``phase`` says."""
 
     phase: Literal["forward", "backward", "grad_sync", "consensus", "rereduce", "optimizer",
                    "checkpoint", "finish", "join"] = "grad_sync"
@@ -364,6 +370,11 @@ class Faults:
 
     def check(self) -> None:
         _choice(self, "phase")
+        _integer(self, "every", 0)
+        _integer(self, "max_failures", 0)
+        from recover_hsdp.faults import Phase, schedule_modes
+
+        schedule_modes(self.modes, Phase(self.phase))
 
 
 SECTIONS = {"workload": Workload, "timeouts": Timeouts, "reduce": Reduce,

@@ -225,7 +225,9 @@ class RecoverManager:
         span, self._current_step = self.phases.span, step
         self.timer.new_step()
         with span(step, Phase.PLAN):                                     # 1
-            plan = self.policy.plan(step - 1, self.world.alive_replicas)
+            alive = self.world.alive_replicas  # agreed: a scheduled fault draws among them
+            self.phases.point(step, Phase.PLAN, alive=alive)
+            plan = self.policy.plan(step - 1, alive)
             state = StepState(plan, plan.global_microbatches * self.tokens_per_microbatch)
         with span(step, Phase.COMPUTE):                                  # 2 (+ 3's buckets)
             mine = plan.assignment(self.replica)

@@ -106,11 +106,16 @@ def test_hang_is_detected_within_bound_and_training_continues(tmp_path, local_co
 
 @pytest.mark.soak  # the schedule is unit-tested, the kills elsewhere
 def test_paper_like_failure_schedule(tmp_path, local_corpus):
-    """One failure every 3 steps at a seeded random step, until 2 replicas are lost.
-    Real process: the seeded schedule's kills fire in real processes."""
-    from recover_hsdp.faults import Phase, paper_schedule
+    """One failure every 3 steps at a seeded random step, 2 in all, each victim drawn among the
+    replicas alive at its step. Real process: the seeded schedule's kills fire in real
+    processes."""
+    from recover_hsdp.faults import FaultSpec, Phase, failure_schedule
 
-    expected = paper_schedule(4, every=3, max_failures=2, phase=Phase.GRAD_SYNC, seed=7)
+    alive, expected = [0, 1, 2, 3], []
+    for fault in failure_schedule(3, 2, Phase.GRAD_SYNC, seed=7):
+        expected.append(FaultSpec(replica=fault.victim(alive), step=fault.step,
+                                  phase=fault.phase))
+        alive.remove(expected[-1].replica)
     _, steps = _train(tmp_path, "--recover.faults.every", "3", "--recover.faults.max_failures",
                       "2", "--recover.faults.seed", "7")
     _assert_b_every_step(steps, final_alive=2)

@@ -12,6 +12,7 @@ import torch
 
 from fakes import values_of
 from recover_hsdp.config import BadReplicas
+from recover_hsdp.faults import Mode, Phase, failure_schedule
 from recover_hsdp.manager.divergence import NoMajority, diverged_replicas
 from recover_hsdp.recovery import fingerprint, flip_bit, from_halves, halves
 from test_culprits import NormWork
@@ -153,3 +154,32 @@ def test_two_replicas_that_differ_refuse_the_step_on_both(tmp_path):
     assert message.startswith("step 4: refusing to commit") and "replicas 0 | 1" in message
     assert "\n" not in message
     assert all(isinstance(e, Exception) and message in str(e) for e in results.values())
+
+
+def test_a_mixed_schedule_draws_its_victims_among_the_alive(tmp_path):
+    """``[recover.faults] every = 3``, 4 failures drawn from sigkill / nan / bitflip (seed 9:
+    bitflip at step 2, sigkill at 4, nan at 7, sigkill at 12), 4 x 1, G = 2: every victim is
+    alive at its step and not the lowest alive replica; the bitflipped replica is voted out at
+    step 3, the nan one excluded for step 7; B = 8 committed every step against the oracle."""
+    schedule = failure_schedule(3, 4, Phase.GRAD_SYNC, 9, (Mode.SIGKILL, Mode.NAN, Mode.BITFLIP))
+    assert [(f.step, f.mode.value) for f in schedule] == [
+        (2, "bitflip"), (4, "sigkill"), (7, "nan"), (12, "sigkill")]
+    steps = 13
+    hub, results = run_job(tmp_path, replicas=4, g=2, steps=steps, work_class=ParamWork,
+                           manager_kwargs=_vote_kwargs, schedule=schedule)
+    # the fake's kills record nothing (tests/manager/test_manager.py FakeFaults): the modes
+    # that do not end the rank are in faults_fired.jsonl, the kills in the ranks' results
+    fired = [json.loads(x) for x in (tmp_path / "faults_fired.jsonl").read_text().splitlines()]
+    assert [(f["step"], f["mode"]) for f in fired] == [(2, "bitflip"), (7, "nan")]
+    ledger = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    for record in fired:  # alive when its step was planned: the previous step's committers
+        alive = sorted(map(int, ledger[record["step"] - 2]["replicas"]))
+        assert record["replica"] in alive[1:], (record, alive)
+    works = values_of(results, killed=[(r, 0) for r in (1, 2, 3)])
+    assert sorted(works) == [(0, 0)]
+    check_against_oracle(tmp_path, works, 4, steps, b=8)
+    assert [len(e["replicas"]) for e in ledger] == [4, 4, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1]
+    (vote,) = _events(tmp_path, "diverged")
+    assert vote["step"] == 3 and vote["diverged"] == [fired[0]["replica"]]
+    (nan,) = _events(tmp_path, "nonfinite")
+    assert nan["step"] == 7 and list(nan["culprits"]) == [str(fired[1]["replica"])]

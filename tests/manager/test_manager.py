@@ -41,8 +41,8 @@ def grad_of(data_id: int, unit: int, shard: int) -> torch.Tensor:
 class FakeFaults(FaultInjector):
     """The real fault specs and matching; firing kills the rank in the fake world."""
 
-    def __init__(self, specs, hub: FakeHub, replica: int, shard: int, out_dir):
-        super().__init__([FaultSpec.parse(s) for s in specs], replica, shard, out_dir)
+    def __init__(self, specs, hub: FakeHub, replica: int, shard: int, out_dir, schedule=()):
+        super().__init__([FaultSpec.parse(s) for s in specs], replica, shard, out_dir, schedule)
         self.hub = hub
 
     def _fire(self, spec) -> None:
@@ -101,12 +101,13 @@ class StandInWork:
 
 def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", keep_spares=True,
             errors=None, update_errors=None, transient=None, work_class=None, policy_kwargs=None,
-            manager_kwargs=None, after_step=None):
+            manager_kwargs=None, after_step=None, schedule=()):
     """Run ``steps`` steps on every rank; returns (hub, {(r, s): StandInWork or exception}).
     ``work_class`` (default ``StandInWork``), ``policy_kwargs`` and ``manager_kwargs`` (a dict,
     or a function of the rank's work returning one) extend the rank's parts
     (tests/manager/test_culprits.py); ``after_step(manager, work, step)`` runs between steps,
-    where the trainer saves checkpoints (tests/manager/test_checkpoint_agreement.py)."""
+    where the trainer saves checkpoints (tests/manager/test_checkpoint_agreement.py);
+    ``schedule``: ``ScheduledFault``s of ``[recover.faults] every`` (recover_hsdp/faults.py)."""
     hub = FakeHub(replicas, shards)
     errors, update_errors, transient = errors or {}, update_errors or {}, transient or {}
 
@@ -124,7 +125,7 @@ def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", kee
         extra = manager_kwargs(work) if callable(manager_kwargs) else manager_kwargs or {}
         manager = RecoverManager(
             world=world, bucket_sync=sync, policy=policy,
-            faults=FakeFaults(faults, hub, world.replica, world.shard, tmp_path),
+            faults=FakeFaults(faults, hub, world.replica, world.shard, tmp_path, schedule),
             outputs=outputs, out_dir=tmp_path, tokens_per_microbatch=TOKENS * shards,
             die=lambda: hub.kill(world.replica, world.shard), **extra)
         for step in range(1, steps + 1):
