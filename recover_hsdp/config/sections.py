@@ -235,7 +235,7 @@ class BadReplicas:
     all-reduce); 0 disables. Default 1: only a vote every step keeps a diverged replica's
     gradient out of every commit (with K > 1 up to K - 1 steps of it are summed into everyone's
     update, where no later vote can see it); measured cost (benchmarks/fingerprint_bench.py,
-    CPU, the debug model): 2-4% of a 256-token step, 0.14% of a 4 x 1024-token one; it falls
+    CPU, the debug model): 1.7-3.8% of a 256-token step, 0.14% of a 4 x 1024-token one; it falls
     with the tokens per step (on a GPU the read runs at memory bandwidth)."""
 
     def check(self) -> None:
