@@ -16,10 +16,8 @@ from recover_hsdp import certificates
 from recover_hsdp.manager.between_steps import BetweenSteps
 from recover_hsdp.manager.divergence import NoMajority, diverged_replicas
 from recover_hsdp.manager.writer import WriterDuties
+from recover_hsdp.recovery.fingerprint import MASK
 from recover_hsdp.workload import WorkloadPolicy
-
-_MASK = (1 << 64) - 1
-
 
 def replica_sums(values: list[Any]) -> tuple[dict[int, int], list[str]]:
     """Gathered ``(replica, fingerprint or None, error)`` -> each replica's summed fingerprint
@@ -30,7 +28,7 @@ def replica_sums(values: list[Any]) -> tuple[dict[int, int], list[str]]:
         if error:
             errors.append(f"replica {replica}: {error}")
         else:
-            sums[replica] = (sums.get(replica, 0) + value) & _MASK
+            sums[replica] = (sums.get(replica, 0) + value) & MASK
     return sums, errors
 
 

@@ -29,7 +29,7 @@ from typing import Iterable
 import torch
 
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_MASK = (1 << 64) - 1
+MASK = (1 << 64) - 1  # fingerprints are unsigned 64-bit sums, wrapping
 
 
 def word_sum(tensor: torch.Tensor, layout_free: bool = False) -> int:
@@ -46,11 +46,11 @@ def word_sum(tensor: torch.Tensor, layout_free: bool = False) -> int:
     flat = local.contiguous().view(-1)
     if not layout_free and (flat.numel() * flat.element_size()) % 8 == 0:
         try:
-            return int(flat.view(torch.int64).sum()) & _MASK
+            return int(flat.view(torch.int64).sum()) & MASK
         except RuntimeError:  # a storage offset that 8-byte words cannot view
             pass
     words = flat.view(_WORDS[flat.element_size()])
-    return int(words.sum(dtype=torch.int64)) & _MASK
+    return int(words.sum(dtype=torch.int64)) & MASK
 
 
 def fingerprint(tensors: Iterable[torch.Tensor], layout_free: bool = False) -> int:
@@ -58,7 +58,7 @@ def fingerprint(tensors: Iterable[torch.Tensor], layout_free: bool = False) -> i
     total = 0
     with torch.no_grad():
         for tensor in tensors:
-            total = (total + word_sum(tensor, layout_free)) & _MASK
+            total = (total + word_sum(tensor, layout_free)) & MASK
     return total
 
 
@@ -85,7 +85,7 @@ def halves(value: int) -> tuple[float, float]:
 
 def from_halves(high: float, low: float) -> int:
     """The inverse of :func:`halves`; sums of halves over ranks are folded modulo 2^64."""
-    return (int(high) * (1 << 32) + int(low)) & _MASK
+    return (int(high) * (1 << 32) + int(low)) & MASK
 
 
 def flip_bit(tensors: Iterable[torch.Tensor], element: int = 0, bit: int = 20) -> str:
