@@ -16,8 +16,28 @@ forever. This module bounds both cases and turns them into an ordinary death, wh
   ([Note: a hang bound from progress]). Long legitimate computations either beat (cheap: a float
   store and a compare) or run inside ``paused()``.
 
-Invariants: only the main thread calls MPI (the watchdog thread only reads two floats and may kill its
-own process); the guard owns SIGALRM in this process; ``call()`` contexts do not nest.
+Invariants: MPI is called by one thread at a time ([Note: MPI from autograd's thread]; the watchdog
+thread only reads two floats and may kill its own process); the guard owns SIGALRM in this process;
+``call()`` contexts do not nest, and a second thread entering one while another thread is inside
+raises :class:`ConcurrentMpiCall` instead of breaking THREAD_SERIALIZED.
+
+[Note: MPI from autograd's thread]
+mpi4py initialises MPI at THREAD_SERIALIZED (collectives/mpi.py): any thread may call MPI, never
+two at once. On CPU every MPI call of a rank is on its main thread. On CUDA, autograd runs
+FSDP2's post-backward hook, and so ``BucketSync``'s hook, on its device thread while the main
+thread waits inside ``backward()``: the bucket's reduce (the ``mpi`` plane), the torch plane's
+group set-up (an all-gather) and its control-plane poll (``peers_failed``) then call MPI from
+there. That is serialized by construction: while the hook runs, the main thread is blocked in
+the autograd engine and calls no MPI; the other threads of a rank call none (the watchdog reads
+floats, the replica heartbeat talks gloo, the data plane's helper thread builds a torch group,
+Open MPI's detector is its own). What depends on the thread is handled here: ``call`` works on
+any thread (``setitimer`` is process-wide, the SIGALRM backstop kills the process whichever
+thread is blocked), :func:`die` flushes Python's streams only on the main thread, and the
+guard's own SIGALRM handler is installed once, on the main thread. Every guarded call checks the
+serialization it relies on (one lock, taken without waiting): a call that a second thread starts
+while another is inside one raises :class:`ConcurrentMpiCall`. The real hook path on a second
+thread, with a peer SIGKILLed mid-reduce, is tests/collectives/test_collectives_faults.py's
+``*-on-autograd-thread`` scenarios.
 
 [Note: deadline as a safety net]
 On this stack (Open MPI 5.0.11 btl/tcp) a death can, rarely, deadlock a *healthy* survivor inside
@@ -209,13 +229,17 @@ def die(msg: str) -> NoReturn:
     raise AssertionError("SIGKILL returned")
 
 
+class ConcurrentMpiCall(RuntimeError):
+    """Two threads of one rank inside MPI at once ([Note: MPI from autograd's thread])."""
+
+
 class MpiGuard:
     """Per-process deadline + hang watchdog. Create it on the main thread (it installs SIGALRM)."""
 
     def __init__(self, deadlines: Deadlines, name: str = "") -> None:
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("MpiGuard must be created on the main thread (it owns SIGALRM and the "
-                               "main thread is the only one allowed to call MPI)")
+            raise RuntimeError("MpiGuard must be created on the main thread (it installs the "
+                               "SIGALRM action, which only the main thread may do)")
         self.deadlines = deadlines
         self.name = name
         # [Note: deadline as a safety net] SIG_DFL terminates the process even while the main thread
@@ -226,6 +250,8 @@ class MpiGuard:
                                        deadlines.hang_progress_factor))
         self._beat = time.monotonic()
         self._call: tuple[str, float, float] | None = None  # (name, started, deadline)
+        self._serial = threading.Lock()   # held by the thread inside ``call``
+        self._owner: int | None = None    # that thread's ident
         self._paused = 0
         self._stop = threading.Event()
         # public: on_hung(reason) on the watchdog thread just before it kills this rank (the
@@ -261,18 +287,31 @@ class MpiGuard:
 
     @contextlib.contextmanager
     def call(self, name: str, seconds: float) -> Iterator[None]:
-        """Run one MPI call under a deadline of ``seconds`` (see module docstring)."""
-        assert self._call is None, f"nested guarded MPI calls ({self._call[0]} then {name})"
-        self.beat()  # the compute before the call is a gap; the wait inside it is not
-        now = self._beat
-        self._call = (name, now, now + seconds)
-        signal.setitimer(signal.ITIMER_REAL, seconds + self.deadlines.backstop_s)
+        """Run one MPI call under a deadline of ``seconds`` (see module docstring), on any
+        thread, one thread at a time ([Note: MPI from autograd's thread])."""
+        if not self._serial.acquire(blocking=False):
+            current = self._call[0] if self._call is not None else "?"
+            if self._owner == threading.get_ident():
+                raise AssertionError(f"nested guarded MPI calls ({current} then {name})")
+            raise ConcurrentMpiCall(
+                f"{self.name}: MPI call {name} on thread {threading.current_thread().name!r} "
+                f"while {current} runs on another thread: MPI is THREAD_SERIALIZED here "
+                "([Note: MPI from autograd's thread])")
+        self._owner = threading.get_ident()
         try:
-            yield
+            self.beat()  # the compute before the call is a gap; the wait inside it is not
+            now = self._beat
+            self._call = (name, now, now + seconds)
+            signal.setitimer(signal.ITIMER_REAL, seconds + self.deadlines.backstop_s)
+            try:
+                yield
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                self._call = None
+                self._beat = time.monotonic()
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            self._call = None
-            self._beat = time.monotonic()
+            self._owner = None
+            self._serial.release()
 
     def close(self) -> None:
         """Stop the watchdog thread and disarm the kernel timer."""

@@ -69,7 +69,8 @@ class GuardedCalls:
         detector's notices and peers' revokes arrive while the main thread waits in something
         else (a data-plane collective: [Note: control plane and data plane] in
         groups/data_plane.py). A new failure is handled like a failed guarded call (every
-        communicator revoked, ``on_failed`` told). Only the main thread may call it."""
+        communicator revoked, ``on_failed`` told). Any thread, one at a time: [Note: MPI from autograd's
+        thread] in collectives/guard.py."""
         self._check_usable()
         if self._failed_at is not None:
             return True

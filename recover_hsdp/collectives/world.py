@@ -70,7 +70,8 @@ class FaultTolerantWorld(GuardedCalls):
 
     Initial construction is collective over ``comm`` and not fault tolerant (a failure raises).
     The hang watchdog starts here: beat ``heartbeat()`` during long computations or use
-    ``watchdog_paused()`` (see ``recover_hsdp.collectives.guard``). Only the main thread may call MPI.
+    ``watchdog_paused()`` (see ``recover_hsdp.collectives.guard``). One thread at a time may call it:
+    [Note: MPI from autograd's thread].
     """
 
     def __init__(self, comm: MPI.Comm | None = None, ranks_per_replica: int = 1,

@@ -26,6 +26,7 @@ class Scenario:
     mb: float = 1.0
     hang_timeout: float = 10.0
     bound_s: float = 60.0  # the whole job must end within this
+    hook_thread: bool = False  # the reduce on a second thread, as CUDA autograd runs the hook
 
     @property
     def nprocs(self):
@@ -43,7 +44,7 @@ class Scenario:
         return ["--scenario", self.name, "--S", str(self.S), "--out", str(out_dir),
                 "--victims", ",".join(map(str, self.victims)), "--second", ",".join(map(str, self.second)),
                 "--mb", str(self.mb), "--hang-timeout", str(self.hang_timeout), "--steps", "3",
-                "--fail-step", "1"]
+                "--fail-step", "1", *(["--hook-thread"] if self.hook_thread else [])]
 
 
 SCENARIOS = {
@@ -53,6 +54,10 @@ SCENARIOS = {
     "4x1-mid-64MB-allreduce": Scenario("mid_allreduce", 4, 1, (2,), mb=64),
     "4x1-two-replicas-mid-64MB": Scenario("mid_allreduce", 4, 1, (1, 2), mb=64),
     "3x2-mid-allreduce": Scenario("mid_allreduce", 3, 2, (2,), mb=16),
+    # [Note: MPI from autograd's thread]: the hook's MPI calls on a second thread
+    "4x1-mid-16MB-allreduce-on-autograd-thread": Scenario("mid_allreduce", 4, 1, (2,), mb=16,
+                                                          hook_thread=True),
+    "2x2-one-rank-on-autograd-thread": Scenario("before_allreduce", 2, 2, (3,), hook_thread=True),
     "4x1-during-agree": Scenario("during_agree", 4, 1, (1,)),
     "3x2-rank0-during-agree": Scenario("during_agree", 3, 2, (0,)),
     "4x1-during-shrink": Scenario("during_shrink", 4, 1, (1,), second=(2,)),
@@ -77,6 +82,7 @@ def check(sc: Scenario, job) -> dict:
     for rank, res in results.items():
         where = f"rank {rank}"
         assert res["value_errors"] == 0, where
+        assert res["hook_threads"] == (["autograd-device-thread"] if sc.hook_thread else []), where
         assert res["epoch"] == 1, where
         assert res["alive_replicas"] == sc.alive_replicas, where
         failed = [e for e in res["events"] if not e["clean"]]

@@ -25,6 +25,10 @@ Scenarios (the failure hits at step --fail-step):
                     communicators (the repair must go round again)
   during_membership_agree   the same, inside the agreement on the new membership
   hang              victims sleep forever before the all-reduce; their own watchdog must kill them
+
+--hook-thread: the shard all-reduce and the checksum all-gather run on a second thread while the
+main thread waits for it, as CUDA autograd runs FSDP2's post-backward hook (and so the bucket's
+reduce and the data plane's set-up) on its device thread ([Note: MPI from autograd's thread]).
 """
 
 import argparse
@@ -53,6 +57,8 @@ def parse():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--fail-step", type=int, default=1)
     p.add_argument("--mb", type=float, default=1.0, help="shard all-reduce size in MB (float32)")
+    p.add_argument("--hook-thread", action="store_true",
+                   help="the shard all-reduce and the all-gather on a second thread")
     p.add_argument("--hang-timeout", type=float, default=10.0,
                    help="Deadlines.hang_timeout_s (the hang scenario uses a short one)")
     return p.parse_args()
@@ -99,6 +105,21 @@ def kill_at_middle(buf, pids):
     threading.Thread(target=watch, daemon=True).start()
 
 
+def on_hook_thread(fn, arg, used):
+    """``fn(arg)`` on a new thread while this one waits, as autograd's device thread runs a hook
+    while the main thread waits in backward(); ``used`` collects the thread names."""
+    box = {}
+
+    def body():
+        used.add(threading.current_thread().name)
+        box["result"] = fn(arg)
+
+    thread = threading.Thread(target=body, name="autograd-device-thread")
+    thread.start()
+    thread.join()
+    return box["result"]
+
+
 def contribution(pattern, rank, step):
     """Integer-valued float32 (exact): rank- and step-specific, and varying along the buffer (pattern =
     arange % 7) so chunk boundaries are checked."""
@@ -143,10 +164,14 @@ def main():
     world.heartbeat()  # [the caller's duty: beat between long computations]
     log = {"rank": me, "replica": world.replica, "shard": world.shard, "events": [], "sums": [],
            "value_errors": 0, "pid": os.getpid()}
+    used: set[str] = set()
+
+    def hook(fn, arg):  # where FSDP2's hook would call it
+        return on_hook_thread(fn, arg, used) if a.hook_thread else fn(arg)
 
     def dump(status):
         log.update(status=status, epoch=world.epoch, alive_replicas=list(world.alive_replicas),
-                   t_end=time.time())
+                   t_end=time.time(), hook_threads=sorted(used))
         with open(os.path.join(a.out, f"rank{me}.json.tmp"), "w") as f:
             json.dump(log, f)
         os.replace(os.path.join(a.out, f"rank{me}.json.tmp"), os.path.join(a.out, f"rank{me}.json"))
@@ -168,7 +193,7 @@ def main():
                         time.sleep(3600)  # no heartbeat: the watchdog must SIGKILL this rank
             if fail_now and a.scenario == "mid_allreduce" and me == min(set(range(size)) - doomed):
                 kill_at_middle(buf, [pids[v] for v in victims])
-            ok = world.allreduce(buf)
+            ok = hook(world.allreduce, buf)
             if ok:
                 members = world.shard_members()
                 want = expected(pattern, members, step)
@@ -184,7 +209,7 @@ def main():
                 log["value_errors"] += 1
                 world.fail_epoch("wrong global all-reduce result")
                 ok_g = False
-            chk = world.allgather(float(buf[0]))  # None at once when the epoch already failed
+            chk = hook(world.allgather, float(buf[0]))  # None at once when the epoch failed
             if chk is not None and len(set(chk)) != 1:
                 log["value_errors"] += 1
             res = world.consensus(ok and ok_g)
