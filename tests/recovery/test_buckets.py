@@ -490,3 +490,44 @@ def test_real_fsdp2_buckets_are_the_gradients(gloo_group):
     model(x1).backward()
     assert len(sync.buckets) == 4 and hub.calls["allreduce"] == 8 and hub.failures == []
     sync.check_contract()
+
+
+def test_real_fsdp2_hooks_on_a_second_thread(gloo_group):
+    """As on CUDA, where autograd runs FSDP2's post-backward hook on its device thread while the
+    main thread waits in backward() ([Note: MPI from autograd's thread] in collectives/guard.py):
+    the synced backward runs on a second thread; every bucket's reduce is called there, the
+    buckets are the no-FSDP gradients and current."""
+    import threading
+
+    torch.manual_seed(1)
+    model = Tiny()
+    reference = copy.deepcopy(model)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    hub = FakeHub(1)
+    world = hub.world(0)
+    threads = []
+    reduce = world.allreduce
+
+    def allreduce(buf):
+        threads.append(threading.current_thread().name)
+        return reduce(buf)
+
+    world.allreduce = allreduce
+    sync = BucketSync.for_model(model, world)
+    x = torch.randn(5, 4)
+    reference(x).backward()
+    sync.begin_step(contributes=True)
+    loss = model(x)
+    backward_thread = threading.Thread(target=loss.backward, name="autograd-device-thread")
+    backward_thread.start()
+    backward_thread.join(timeout=30)
+    assert not backward_thread.is_alive()
+    assert threads == ["autograd-device-thread"] * 4 and sync.error is None
+    assert sync.all_current() and hub.failures == []
+    names = {id(p): n for n, p in model.named_parameters()}
+    for bucket in sync.buckets:
+        expected = torch.cat([reference.get_parameter(names[id(p)]).grad.reshape(-1)
+                              for p in unit_parameters(sync.units[bucket.unit])])
+        torch.testing.assert_close(bucket.tensor, expected)
