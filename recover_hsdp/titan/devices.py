@@ -96,10 +96,26 @@ def bind_to_numa_node(index: int) -> list[int] | None:
         if node < 0:
             return None
         cpus = parse_cpulist(Path(f"/sys/devices/system/node/node{node}/cpulist").read_text())
-        os.sched_setaffinity(0, cpus)
+        bind_process(cpus)
         return cpus
     except (AttributeError, OSError, ValueError):
         return None
+
+
+def bind_process(cpus) -> list[int]:
+    """Restrict the whole process to ``cpus``: every thread it has now (``sched_setaffinity``
+    with 0 binds only the calling thread, and by the time a device is chosen MPI's detector,
+    the watchdog and torch's pools already run), and so every thread started later (a new
+    thread inherits its creator's). Returns the thread ids bound (a thread that ended
+    meanwhile is skipped)."""
+    bound = []
+    for task in sorted(Path("/proc/self/task").iterdir(), key=lambda p: int(p.name)):
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+        bound.append(int(task.name))
+    return bound
 
 
 def parse_cpulist(text: str) -> list[int]:

@@ -4,6 +4,8 @@ one-line refusal, and the environment a spawned newcomer gets. No GPU needed (an
 
 from __future__ import annotations
 
+import os
+import threading
 import types
 
 import pytest
@@ -15,7 +17,7 @@ from recover_hsdp.cli.launch import build_command
 from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, device_index, gpu_placement_args,
                                              job_environment)
 from recover_hsdp.config import ConfigError
-from recover_hsdp.titan.devices import NEWCOMER_ENV, parse_cpulist, rank_slot
+from recover_hsdp.titan.devices import NEWCOMER_ENV, bind_process, parse_cpulist, rank_slot
 
 BATCH = ["--", "--training.global_batch_size", "32"]
 
@@ -247,3 +249,35 @@ def test_a_gpu_job_on_ranks_without_a_gpu_is_refused_not_trained_on_cpu(tmp_path
     for record in records:
         pid = json.loads(record.read_text())["pid"]
         assert not os.path.exists(f"/proc/{pid}"), f"rank process {pid} outlived the job"
+
+
+def test_binding_to_a_device_node_binds_every_thread_of_the_process():
+    """Issue 31 (launch): ``sched_setaffinity(0, ...)`` binds the calling thread only; threads
+    already running (MPI's detector, the watchdog, torch's pools) and the ones they start must
+    follow too."""
+    before = os.sched_getaffinity(0)
+    started, release = threading.Event(), threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def already_running():
+        started.set()
+        release.wait(10)
+        seen["old"] = os.sched_getaffinity(0)
+        child = threading.Thread(target=lambda: seen.update(child=os.sched_getaffinity(0)))
+        child.start()
+        child.join(10)
+
+    thread = threading.Thread(target=already_running)
+    thread.start()
+    assert started.wait(10)
+    one = {min(before)}
+    try:
+        bound = bind_process(one)
+        assert thread.native_id in bound and threading.get_native_id() in bound
+        release.set()
+        thread.join(10)
+        assert seen == {"old": one, "child": one}
+        assert os.sched_getaffinity(0) == one
+    finally:
+        release.set()
+        bind_process(before)
