@@ -43,6 +43,7 @@ from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, GPUS_PER_NODE_ENV, RA
                                              gpu_placement_args, heartbeat_detector_args,
                                              job_environment, mpirun_prefix)
 from recover_hsdp.collectives.processes import kill_local, read_registry
+from recover_hsdp.groups import rendezvous
 
 
 def _tool(name: str) -> str | None:
@@ -181,10 +182,54 @@ def _launcher(args: argparse.Namespace, job, ranks: int) -> list[str]:
     env[EXPORTED_ENV] = ",".join(sorted(env))  # a spawned newcomer gets the same
     extra += list(args.mpi_arg)
     if args.hostfile:
-        extra += ["--hostfile", str(args.hostfile)]
+        extra += [*mpi_interface_args(hostfile_hosts(args.hostfile), args.mpi_arg, os.environ),
+                  "--hostfile", str(args.hostfile)]
     return [*mpirun_prefix(ranks, mpirun=resolve_mpirun(), env=env, extra=extra,
                            oversubscribe=not gpus, ulfm=not args.stock,
                            transport=job.recover.reduce.transport), sys.executable]
+
+
+def mpi_interface_args(hosts: list[str], mpi_args, environ, resolve=None, network=None
+                       ) -> list[str]:
+    """[Note: MPI interfaces] Across hosts Open MPI picks its TCP interfaces itself, and may
+    take one no other host reaches (a docker0, a management NIC); a rank whose peers connect to
+    an address they cannot route to is a false death. The launcher tells mpirun which network
+    to use for both its messages (``btl_tcp_if_include``) and PRRTE's (``oob_tcp_if_include``):
+    the network of the interface this host routes from to the first other host of the
+    hostfile, the choice [Note: rendezvous address] makes for the replica's own groups. Any
+    ``btl_tcp_if_*`` / ``oob_tcp_if_*`` of the user's (``--mpi-arg``, ``OMPI_MCA_*`` or
+    ``PRTE_MCA_*`` in the environment) is the one override: then nothing is added, and so when
+    no other host resolves or no route is found (one line says so)."""
+    resolve = resolve or _ipv4_of
+    network = network or rendezvous.route_network
+    said = " ".join(mpi_args)
+    if any(key in said for key in ("tcp_if_include", "tcp_if_exclude")) or any(
+            k.endswith(("tcp_if_include", "tcp_if_exclude")) for k in environ):
+        return []
+    local = {a for _, a in rendezvous.interface_addresses()} | {socket.gethostname(), "localhost"}
+    for host in dict.fromkeys(hosts):
+        address = None if host in local else resolve(host)
+        if address is None or address in local or ipaddress.ip_address(address).is_loopback:
+            continue
+        found = network(address)
+        if found is None:
+            break
+        interface, cidr = found
+        print(f"recover-hsdp: MPI over {interface} ({cidr}, the route to {host}); another "
+              "network: --mpi-arg=--mca --mpi-arg=btl_tcp_if_include --mpi-arg=<CIDR or NIC>",
+              flush=True)
+        return ["--mca", "btl_tcp_if_include", cidr, "--prtemca", "oob_tcp_if_include", cidr]
+    if len(set(hosts)) > 1:
+        print("recover-hsdp: no route to another host of the hostfile found here: Open MPI "
+              "chooses its interfaces itself", flush=True)
+    return []
+
+
+def _ipv4_of(host: str) -> str | None:
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+    except OSError:
+        return None
 
 
 def _gpus_per_node(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 STORE_HOST_ENV = "RECOVER_HSDP_STORE_HOST"
 LOCAL = "127.0.0.1"
 _SIOCGIFADDR = 0x8915
+_SIOCGIFNETMASK = 0x891B
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,30 @@ def route_source(address: str) -> str | None:
             return sock.getsockname()[0]
     except OSError:
         return None
+
+
+def route_network(address: str) -> tuple[str, str] | None:
+    """(interface, its IPv4 network as a CIDR) this host sends from to ``address``: the
+    interface the launcher gives MPI ([Note: MPI interfaces] in cli/launch.py). None: no route,
+    or not Linux."""
+    source = route_source(address)
+    if source is None or ipaddress.ip_address(source).is_loopback \
+            or not sys.platform.startswith("linux"):
+        return None
+    import fcntl
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for name, addr in interface_addresses():
+            if addr != source:
+                continue
+            try:
+                raw = fcntl.ioctl(sock.fileno(), _SIOCGIFNETMASK,
+                                  struct.pack("256s", name[:15].encode()))
+            except OSError:
+                return None
+            mask = socket.inet_ntoa(raw[20:24])
+            return name, str(ipaddress.ip_network(f"{source}/{mask}", strict=False))
+    return None
 
 
 def spans_hosts(hosts: list[HostAddresses]) -> bool:

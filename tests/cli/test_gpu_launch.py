@@ -13,7 +13,7 @@ import pytest
 from conftest import DEBUG_CONFIG
 from recover_hsdp.cli.hostfile import hostfile_hosts
 from recover_hsdp.cli.arguments import parser as _parser
-from recover_hsdp.cli.launch import build_command
+from recover_hsdp.cli.launch import build_command, mpi_interface_args
 from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, device_index, gpu_placement_args,
                                              job_environment)
 from recover_hsdp.config import ConfigError
@@ -281,3 +281,35 @@ def test_binding_to_a_device_node_binds_every_thread_of_the_process():
     finally:
         release.set()
         bind_process(before)
+
+
+def test_mpi_gets_the_network_that_routes_to_the_other_hosts(capsys):
+    """[Note: MPI interfaces]: across hosts both Open MPI's and PRRTE's TCP traffic go over the
+    network this host routes from to the first other host; the user's own choice wins."""
+    routes = {"10.9.0.2": ("ib0", "10.9.0.0/16")}
+    resolve = {"node-b": "10.9.0.2", "node-c": "10.9.0.3"}.get
+    args = mpi_interface_args(["localhost", "node-b", "node-c"], [], {}, resolve, routes.get)
+    assert args == ["--mca", "btl_tcp_if_include", "10.9.0.0/16",
+                    "--prtemca", "oob_tcp_if_include", "10.9.0.0/16"]
+    assert "MPI over ib0 (10.9.0.0/16, the route to node-b)" in capsys.readouterr().out
+    # the user's override, on the command line or in the environment: nothing added
+    assert mpi_interface_args(["node-b"], ["--mca", "btl_tcp_if_include", "eth1"], {},
+                              resolve, routes.get) == []
+    assert mpi_interface_args(["node-b"], [], {"OMPI_MCA_btl_tcp_if_exclude": "docker0"},
+                              resolve, routes.get) == []
+    # one host, or no route found: Open MPI's own choice, said once when hosts are several
+    assert mpi_interface_args(["localhost"], [], {}, resolve, routes.get) == []
+    assert capsys.readouterr().out == ""
+    assert mpi_interface_args(["node-c", "node-b"], [], {}, resolve, lambda a: None) == []
+    assert "no route to another host" in capsys.readouterr().out
+
+
+def test_a_hostfile_launch_line_names_the_mpi_network(tmp_path):
+    hostfile = _hostfile(tmp_path, "10.9.0.1", "10.9.0.2")
+    line = " ".join(_command(tmp_path, "--gpus-per-node", "8", "--hostfile", hostfile))
+    from recover_hsdp.groups.rendezvous import route_network
+
+    found = route_network("10.9.0.1")
+    if found is None:
+        pytest.skip("this machine has no route to 10.9.0.1 (no packet is sent to it)")
+    assert f"--mca btl_tcp_if_include {found[1]} --prtemca oob_tcp_if_include {found[1]}" in line
