@@ -11,6 +11,8 @@ import of the package lives here).
   timeouts.py       [Note: the timer table]: every timer of a job, derived once and ordered
   data_plane.py     ``TorchDataPlane``: the per-epoch group of the same-shard ranks of the
                     alive replicas ([Note: control plane and data plane])
+  teardown.py       [Note: bounded teardown]: a group given up (also mid-build) is aborted
+                    within a bound and never destroyed
 
 Below the step protocol (manager/ imports the leave path, never torch.distributed) and above
 the three layers; the TorchTitan glue (titan/) builds these objects and hands them on.

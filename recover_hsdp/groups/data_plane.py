@@ -66,6 +66,8 @@ from recover_hsdp.collectives.guard import die, log_line
 from recover_hsdp.config import ConfigError
 from recover_hsdp.errors import one_line
 from recover_hsdp.groups import rendezvous
+from recover_hsdp.groups.teardown import (ABORT_WAIT_S, NEVER_DESTROYED, PendingBuild,
+                                          abort_bounded)
 from recover_hsdp.recovery.planes import MpiDataPlane
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -89,10 +91,6 @@ def _environment(overrides: dict[str, str]):
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-
-#: Abandoned groups, referenced until the process ends (``TorchDataPlane._abandon``).
-_NEVER_DESTROYED: list[Any] = []
-
 
 class PendingSum(NamedTuple):
     """One enqueued bucket sum: the bucket, the private wire copy being summed, the backend's
@@ -219,21 +217,15 @@ class TorchDataPlane:
         return False
 
     def _abandon(self) -> None:
-        """Give the group up: never used again; NCCL communicators aborted (a kernel spinning
-        on a dead peer returns); gloo groups are left to their threads (no collective teardown
-        with dead members; ``abort`` is a no-op for gloo). Kept referenced for the process's
-        life: a gloo group's destructor waits for its blocked work (up to the group timeout,
-        measured), which would stall whichever thread dropped the last reference."""
+        """Give the group up: never used again, kept referenced, NCCL communicators aborted
+        within a bound ([Note: bounded teardown] in groups/teardown.py)."""
         group, self._group, self._key = self._group, None, None
         if group is None:
             return
         self.abandoned.append(group)
-        _NEVER_DESTROYED.append(group)
+        NEVER_DESTROYED.append(group)
         if self.backend == "nccl":
-            try:
-                group.abort()
-            except Exception as err:  # noqa: BLE001 - best effort
-                log_line(f"data plane: NCCL abort failed: {err!r}")
+            abort_bounded(group, ABORT_WAIT_S)
 
     # ------------------------------------------------------------------ the group
 
@@ -274,27 +266,41 @@ class TorchDataPlane:
         except ValueError as err:
             return self._failed(f"data plane rendezvous: {err}")
         prefix = f"dp/e{key[0]}/s{world.shard}"
-        built: dict[str, Any] = {}
+        built = PendingBuild(nccl=self.backend == "nccl")
 
         def make() -> None:  # on a helper thread: the rendezvous blocks on every member
             try:
                 store = (self._stores[-1] if me == 0 else
                          dist.TCPStore(leader, gathered[0][1], len(members), is_master=False,
                                        timeout=self.timeout))
-                built["group"] = self._new_group(dist.PrefixStore(prefix, store), me,
-                                                 len(members), local)
+                group = self._new_group(dist.PrefixStore(prefix, store), me, len(members),
+                                        local)
+                if built.offer(group) and built.nccl and self.device is not None:
+                    group.eager_connect_single_device(self.device)  # the communicator, now
             except Exception as err:  # noqa: BLE001 - reported by the waiting main thread
-                built["error"] = one_line(err)
+                built.error = one_line(err)
 
         helper = threading.Thread(target=make, name="recover-hsdp-data-plane", daemon=True)
         helper.start()
         if not self._wait(lambda: not helper.is_alive(), "rendezvous"):
+            self._give_up_build(built)
             return False
-        if "error" in built:
-            return self._failed(f"data plane rendezvous: {built['error']}")
-        self._key, self._group = key, built["group"]
+        if built.error is not None:
+            self._give_up_build(built)
+            return self._failed(f"data plane rendezvous: {built.error}")
+        self._key, self._group = key, built.group
         self.builds += 1
         return True
+
+    def _give_up_build(self, built: "PendingBuild") -> None:
+        """A group whose rendezvous was abandoned (a member lost meanwhile) or failed: never
+        used; an NCCL communicator still connecting is aborted, so the helper thread stuck in
+        its connect returns, and so is one the helper finishes later (``_Build.offer``)."""
+        group = built.abandon()
+        if group is not None:
+            NEVER_DESTROYED.append(group)
+            if self.backend == "nccl":
+                abort_bounded(group, ABORT_WAIT_S)
 
     def _new_group(self, store, rank: int, size: int, address: str):
         if self.backend == "gloo":
@@ -306,9 +312,7 @@ class TorchDataPlane:
         options._timeout = self.timeout
         with _environment(DATA_PLANE_NCCL_ENV):  # [Note: no watchdog decides on the data plane]
             group = dist.ProcessGroupNCCL(store, rank, size, options)
-        if self.device is not None:  # eager communicator on this rank's device
-            group.eager_connect_single_device(self.device)
-        return group
+        return group  # its communicator: eager, on the helper thread (``_build``)
 
 
 def resolve_data_plane(name: str, device=None, ranks_per_gpu: int = 1) -> str:
