@@ -441,13 +441,19 @@ def gloo_group():
     dist.destroy_process_group()
 
 
-def test_real_fsdp2_buckets_are_the_gradients(gloo_group):
-    torch.manual_seed(0)
+def _sharded_tiny(seed: int) -> tuple[Tiny, Tiny]:
+    """A fully_shard-ed ``Tiny`` and its unsharded twin (the oracle)."""
+    torch.manual_seed(seed)
     model = Tiny()
     reference = copy.deepcopy(model)
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
+    return model, reference
+
+
+def test_real_fsdp2_buckets_are_the_gradients(gloo_group):
+    model, reference = _sharded_tiny(0)
     hub = FakeHub(1)
     sync = BucketSync.for_model(model, hub.world(0))
     x1, x2 = torch.randn(5, 4), torch.randn(5, 4)
@@ -499,12 +505,7 @@ def test_real_fsdp2_hooks_on_a_second_thread(gloo_group):
     buckets are the no-FSDP gradients and current."""
     import threading
 
-    torch.manual_seed(1)
-    model = Tiny()
-    reference = copy.deepcopy(model)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model, reference = _sharded_tiny(1)
     hub = FakeHub(1)
     world = hub.world(0)
     threads = []
