@@ -171,6 +171,9 @@ def prepare_job(args: argparse.Namespace, build_job, supervise, env: dict
         max_relaunches=rc.tiers.max_relaunches,
         margins=(rc.timeouts.detect_s, rc.timeouts.slow_phase_s))
     _fresh_outputs(out)
+    cost = relaunch.node_loss_cost(job.checkpoints is not None, job.max_relaunches)
+    if cost:
+        print(f"recover-hsdp: {cost}", flush=True)
     return job, command
 
 

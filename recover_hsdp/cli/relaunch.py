@@ -73,6 +73,23 @@ def newest_restart_point(folder: str | Path | None) -> int | None:
     return certificates.newest_restart_point(folder)
 
 
+def node_loss_cost(checkpoints: bool, max_relaunches: int) -> str | None:
+    """What a failure the job cannot survive in place will cost it, said once at start when it
+    is more than the steps since the newest checkpoint: such a failure (a lost host, a death
+    before the world is built: [Note: the relaunch tier]) ends the run, or relaunches it from
+    step 0. None: there are checkpoints to relaunch from."""
+    what = "a failure the job cannot survive in place (a lost host, a death before the world is built)"
+    if max_relaunches == 0:
+        return (f"recover.tiers.max_relaunches = 0: {what} ends the run"
+                + ("" if checkpoints else "; with checkpoint.enable = false nothing is saved "
+                   "to restart it from"))
+    if not checkpoints:
+        return (f"checkpoint.enable = false: {what} relaunches the run from step 0, every step "
+                "done so far redone; checkpoint.enable = true with checkpoint.interval = N "
+                "bounds that to N steps (0 after a cut link: the emergency checkpoint)")
+    return None
+
+
 def daemon_hosts(log_text: str) -> set[str]:
     """Host names in PRRTE's "lost communication with a remote daemon" / "daemon failed to
     report back" messages (the names the daemons gave, i.e. their host names)."""

@@ -148,8 +148,9 @@ def test_agent_is_the_one_mpirun_uses():
 class FakeJob:
     """Attempt k of a job: writes the outputs an mpirun attempt would have written."""
 
-    def __init__(self, out: Path, ckpt: Path, script):
+    def __init__(self, out: Path, ckpt: Path, script, checkpoints: bool = True):
         self.out, self.ckpt, self.script, self.commands = out, ckpt, script, []
+        self.checkpoints = checkpoints
 
     def build_job(self, args):
         if args.replicas < 1:
@@ -162,7 +163,7 @@ class FakeJob:
                                        ranks_per_replica=1, initial_replicas=0),
             parallelism=argparse.Namespace(tensor_parallel_degree=1),
             training=argparse.Namespace(global_batch_size=-1, local_batch_size=2),
-            checkpoint=argparse.Namespace(enable=True, folder=str(self.ckpt)),
+            checkpoint=argparse.Namespace(enable=self.checkpoints, folder=str(self.ckpt)),
             job=argparse.Namespace(dump_folder=str(self.out)))
         self.commands.append(args)
         return ["fake"], self.out, job
@@ -245,7 +246,8 @@ def test_driver_relaunches_from_the_newest_restart_point(tmp_path, monkeypatch):
 
 
 
-def test_a_relaunch_onto_fewer_replicas_keeps_b_without_a_checkpoint(tmp_path, monkeypatch):
+def test_a_relaunch_onto_fewer_replicas_keeps_b_without_a_checkpoint(tmp_path, monkeypatch,
+                                                                     capsys):
     """[Note: the relaunch keeps B]: 3 replicas, no standby host, no checkpoint, node 2 lost
     after step 3: the relaunch from step 0 runs 2 replicas with recover.initial_replicas = 3
     (B = 3 x G_init, a minor), never training.global_batch_size, whatever B's divisibility."""
@@ -260,7 +262,7 @@ def test_a_relaunch_onto_fewer_replicas_keeps_b_without_a_checkpoint(tmp_path, m
     job = FakeJob(out, ckpt, [
         lambda a: (range(1, 4), LOST_DAEMON.replace("rh22bn2", "n2"),
                    _procs(["n0", "n1", "n2"]), False),
-        lambda a: (range(1, 11), "", _procs(["n0", "n1"]), True)])
+        lambda a: (range(1, 11), "", _procs(["n0", "n1"]), True)], checkpoints=False)
     args = argparse.Namespace(
         replicas=3, ranks_per_replica=None, gpus_per_node=0, ranks_per_gpu=1, hostfile=None,
         mpi_arg=["--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent", "/agent",
@@ -273,6 +275,17 @@ def test_a_relaunch_onto_fewer_replicas_keeps_b_without_a_checkpoint(tmp_path, m
     assert not any("global_batch_size" in o or "load_step" in o for o in second.overrides)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] and summary["relaunches"][0]["resume_step"] == 0
+    said = [x for x in capsys.readouterr().out.splitlines() if "checkpoint.enable = false" in x]
+    assert len(said) == 1 and "relaunches the run from step 0" in said[0]  # once, at start
+
+
+def test_what_a_node_loss_costs_is_said_at_start():
+    assert relaunch.node_loss_cost(checkpoints=True, max_relaunches=2) is None
+    assert "from step 0" in relaunch.node_loss_cost(checkpoints=False, max_relaunches=2)
+    assert "ends the run" in relaunch.node_loss_cost(checkpoints=True, max_relaunches=0)
+    off = relaunch.node_loss_cost(checkpoints=False, max_relaunches=0)
+    assert "ends the run" in off and "nothing is saved" in off
+
 
 FALSELY_ACCUSED = ("[n1:123] [[1,1],4] ompi_proc_mark_as_failed: I have been reported dead by "
                    "someone else. This is abnormal: since the current rank is executing this "
