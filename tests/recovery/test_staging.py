@@ -173,3 +173,20 @@ def test_to_host_moves_tensors_in_nested_objects():
         to_host(obj)
     plain = {"a": [torch.ones(2)], "b": (1, "x")}
     assert to_host(plain)["a"][0] is plain["a"][0]
+
+
+def test_release_hands_pinned_buffers_back_to_the_os(monkeypatch):
+    """Issue 31 (rejoin without waste): a released pinned buffer leaves torch's pinned-host
+    cache too (CPU: the cache call is recorded; pinned memory needs CUDA)."""
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append(1),
+                        raising=False)
+    pinned = HostStaging(pin=False)
+    pinned.pin = True  # as on a CUDA host (CPU: the buffer itself is not page-locked)
+    pinned._buffers["join"] = torch.empty(64, dtype=torch.uint8)
+    pinned.release()
+    assert pinned.nbytes == 0 and calls == [1]
+    unpinned = HostStaging(pin=False)
+    unpinned.buffer("join", 64)
+    unpinned.release()
+    assert unpinned.nbytes == 0 and calls == [1]   # nothing pinned: nothing to hand back
