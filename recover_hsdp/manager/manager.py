@@ -289,6 +289,7 @@ class RecoverManager:
         data_ids = [mine.data_ref(i) for i in ids] or [mine.data_ref(mine.stream_start or 0)]
         point = self.phases.point
         sync_started = started = time.perf_counter()
+        pending: list[tuple[int | None, tuple]] = []  # (microbatch id, what the work measured)
         try:
             for index, data_id in enumerate(data_ids):
                 last = index == len(data_ids) - 1
@@ -299,17 +300,20 @@ class RecoverManager:
                     sync_started = microbatch_started
                 point(step, Phase.FORWARD, last_microbatch_s=self._last_microbatch_s,
                       microbatch=ids[index] if ids else None)
-                measured = work.forward_backward(
-                    data_id, state.nominal_tokens, lambda: point(step, Phase.BACKWARD))
-                measured = (self.faults.loss_of(step, measured[0]), *measured[1:])
-                if ids:
-                    state.stats[ids[index]] = measured
+                pending.append((ids[index] if ids else None, work.forward_backward(
+                    data_id, state.nominal_tokens, lambda: point(step, Phase.BACKWARD))))
                 self.world.heartbeat()
                 # the microbatch's own work, less its waits in the cross-replica reduces
                 self._last_microbatch_s = (time.perf_counter() - microbatch_started
                                            - (self.bucket_sync.reduce_s - waited))
                 state.longest_microbatch_s = max(state.longest_microbatch_s,
                                                  self._last_microbatch_s)
+            # read once per step, not per microbatch (on a GPU each read is a host sync)
+            for (microbatch, _), (loss, *counts) in zip(pending, work.measures(
+                    [measured for _, measured in pending])):
+                loss = self.faults.loss_of(step, loss)
+                if microbatch is not None:
+                    state.stats[microbatch] = (loss, *counts)
         except Exception as err:  # noqa: BLE001 - any error inside the replica: it leaves
             self.replica_error(step, one_line(err))
         if not self.bucket_sync.collecting_extras:  # [Note: straggler quotas]: the compute

@@ -23,8 +23,14 @@ class StepWork(Protocol):
                          before_backward: Callable[[], None]) -> tuple[float, int, int]:
         """Forward + backward of the microbatch at ``data`` (a global id, or a position in a
         stream slot), loss divided by ``nominal_tokens``; ``before_backward()`` between the two
-        (a phase point). Returns (that loss as a float, valid label tokens, label positions:
-        tokens of the microbatch on this rank, valid or not)."""
+        (a phase point). Returns (that loss, valid label tokens, label positions: tokens of
+        the microbatch on this rank, valid or not), each maybe still on the device: the
+        manager reads a step's worth at once with :meth:`measures`."""
+
+    def measures(self, measured: list[tuple]) -> list[tuple[float, int, int]]:
+        """What :meth:`forward_backward` returned for this step's microbatches, as host
+        values (float loss, int, int), read at once: one device-to-host copy per step instead
+        of a host sync per microbatch."""
 
     def apply_update(self, grad_scale: float) -> float:
         """Scale the reduced gradient by ``grad_scale`` (1.0: no-op), clip, optimizer and LR

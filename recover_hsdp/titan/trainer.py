@@ -264,7 +264,18 @@ class RecoverTrainer(Trainer):
             del pred
             before_backward()
             loss.backward()
-        return float(loss.detach()), int((labels != IGNORE_INDEX).sum()), labels.numel()
+        return loss.detach(), (labels != IGNORE_INDEX).sum(), labels.numel()
+
+    def measures(self, measured: list[tuple]) -> list[tuple[float, int, int]]:
+        """This step's losses and valid-token counts, still on the device until now: one copy
+        to the host for the whole step (``StepWork.measures``)."""
+        if not measured:
+            return []
+        values = torch.stack([torch.stack([_replicated(loss).double().reshape(()),
+                                           tokens.double().reshape(())])
+                              for loss, tokens, _ in measured]).cpu().tolist()
+        return [(loss, int(tokens), positions)
+                for (loss, tokens), (_, _, positions) in zip(values, measured)]
 
     def apply_update(self, grad_scale: float) -> float:
         params = [p for m in self.model_parts for p in m.parameters()]
@@ -417,3 +428,8 @@ def mark_incomplete(checkpoint_dir: str) -> None:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _replicated(tensor: torch.Tensor) -> torch.Tensor:
+    """A loss as one plain tensor: TP's loss-parallel loss is a (replicated) DTensor."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -51,6 +51,22 @@ class FakeFaults(FaultInjector):
         self.hub.kill(self.replica, self.shard)
 
 
+class Deferred:
+    """A value still "on the device": reading it alone (``float``, ``int``, a comparison) is
+    the host sync per microbatch the manager must not make; only ``measures`` reads it."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def _read_alone(self, *args):
+        raise AssertionError("a microbatch's measure read on its own (a host sync per "
+                             "microbatch): read them once per step with StepWork.measures")
+
+    __float__ = __int__ = __index__ = __bool__ = __lt__ = __gt__ = __eq__ = _read_alone
+    __add__ = __radd__ = __mul__ = __truediv__ = _read_alone
+    __hash__ = None
+
+
 class StandInWork:
     """``StepWork`` of one rank: FSDP-like accumulation with sync on the last microbatch."""
 
@@ -89,7 +105,12 @@ class StandInWork:
                     self.grads[unit] = bucket
                 else:
                     self.grads[unit] += bucket
-        return float(data_id), TOKENS, TOKENS
+        return Deferred(float(data_id)), Deferred(TOKENS), TOKENS
+
+    def measures(self, measured):
+        """As the trainer: what ``forward_backward`` returned, read once per step (a
+        ``Deferred`` read earlier, one by one, fails the test)."""
+        return [(loss.value, tokens.value, positions) for loss, tokens, positions in measured]
 
     def apply_update(self, grad_scale: float) -> float:
         if self.step in self.update_errors:
