@@ -139,6 +139,12 @@ class TorchDataPlane:
 
     # ------------------------------------------------------------------ the reduce
 
+    def prepare(self) -> None:
+        """The group of the current epoch, built now (the step's start, the main thread), so
+        the first hook of the backward finds it; a failed build fails the epoch as in a hook."""
+        if not self.world.epoch_failed:
+            self._ready()
+
     def reduce(self, tensor: torch.Tensor) -> bool:
         """SUM of ``tensor`` over the same-shard ranks of the alive replicas, in place, waited
         for. False: the epoch failed (``tensor`` is then untouched: restore it anyway)."""

@@ -160,6 +160,7 @@ class BucketSync:
         self.reduce_s = 0.0
         self.contributes = contributes
         self.collecting_extras = False
+        self.plane.prepare()  # before the backward, on this (the main) thread
 
     def begin_extras(self) -> None:
         """Following synced backwards compute extra microbatches: their buckets are added to the

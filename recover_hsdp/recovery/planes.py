@@ -10,7 +10,10 @@ The contract of every plane: ``reduce`` sums in place and returns True, or retur
 with the epoch failed (the bucket stays stale: restored and reduced again under the next
 epoch); it never raises for a peer's failure and never blocks past the world's deadlines.
 A plane whose ``overlap`` is true may return from ``start`` before the sum is done;
-``wait`` completes the sums in the order they were started.
+``wait`` completes the sums in the order they were started. ``prepare`` runs at the start of
+every step, on the main thread, before any backward: what the step's sums need is set up
+there (the ``torch`` plane's group of the epoch), not inside the first hook (on a GPU, on
+autograd's device thread, inside the backward).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class DataPlane(Protocol):
     name: str
     overlap: bool
 
+    def prepare(self) -> None: ...
     def reduce(self, tensor: torch.Tensor) -> bool: ...
     def start(self, tensor: torch.Tensor) -> Any: ...
     def wait(self, pending: list[Any]) -> list[bool]: ...
@@ -50,6 +54,9 @@ class MpiDataPlane:
     def __init__(self, world, staging: HostStaging | None = None) -> None:
         self.world = world
         self.staging = staging if staging is not None else HostStaging()
+
+    def prepare(self) -> None:
+        """Nothing to set up: the world's communicators are the plane."""
 
     def reduce(self, tensor: torch.Tensor) -> bool:
         return self.staging.reduce(tensor, self.world.allreduce)

@@ -119,6 +119,36 @@ def test_bucket_sync_on_the_torch_plane_rereduces_after_a_death(overlap):
             assert torch.equal(tensor, _value(0, index) + _value(2, index))
 
 
+def test_the_epochs_group_is_built_at_the_step_start_not_in_the_first_hook():
+    """``DataPlane.prepare`` (recovery/planes.py): ``begin_step`` builds the epoch's group on
+    the calling thread, so no hook (on a GPU: autograd's device thread, inside the backward)
+    builds one; a step of the same epoch builds nothing."""
+    import threading
+
+    hub = FakeHub(2)
+
+    def rank(world):
+        units = [FakeUnit(f"u{i}") for i in range(2)]
+        plane = TorchDataPlane(world, "gloo", timeout_s=30)
+        sync = BucketSync(units, world, plane=plane)
+        built_in = []
+        build = plane._build
+        plane._build = lambda key: built_in.append(threading.current_thread().name) or build(key)
+        results = []
+        for step in range(2):
+            sync.begin_step(contributes=True)
+            before = plane.builds
+            for index, unit in enumerate(units):
+                unit.sync(_value(world.replica, index + step))
+            sync.wait_sums()
+            assert world.consensus(not world.epoch_failed and sync.all_current()).clean
+            results.append(before)
+        return results, built_in, threading.current_thread().name
+
+    for results, built_in, thread in values_of(run_ranks(hub, rank)).values():
+        assert results == [1, 1] and built_in == [thread]
+
+
 def test_overlapped_sums_let_the_backward_go_on():
     """[Note: overlapped bucket sums]: replica 1 is 0.6 s late to every bucket (a slow
     backward); replica 0's hooks return at once (its sums are enqueued, not waited for), and
