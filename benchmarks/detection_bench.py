@@ -1,7 +1,8 @@
 """Detection of failures that close no socket, repeated: how often the job survives, how fast.
 
     python benchmarks/detection_bench.py [--runs 10] [--scenarios frozen,netns_frozen,netns_link]
-                                         [--nodes 3]
+                                         [--nodes 3] [--ranks-per-node 1]
+                                         [--numbering node|slot]
 
 Scenarios (the real 4 x 1 / 3 x 1 debug job, 8 steps, exact data assignment, default
 ``detect_timeout_s = 4``):
@@ -9,6 +10,12 @@ Scenarios (the real 4 x 1 / 3 x 1 debug job, 8 steps, exact data assignment, def
   netns_frozen  --nodes (3 or 4) namespace "nodes" (tests/netns_cluster.py), one replica each;
                 replica 2's process is SIGSTOPped from outside after step 3
   netns_link    same cluster; node 2's link is taken down after step 3 (no RST)
+``--ranks-per-node S``: replicas of S ranks, one per node (``--map-by ppr:S:node``);
+``--numbering``: the launcher's round-robin MPI numbering over the hosts (``node``, the default:
+[Note: host-interleaved ranks] in recover_hsdp/collectives/ranks.py) or host by host (``slot``:
+mpirun's own default, the numbering before that note), for the same run side by side. The
+namespace runs keep PRRTE's own daemon keepalive (``recover.tiers.daemon_keepalive_s 0``) so a
+cut link stays the in-job tier's and the detection is measured alone.
 Each run counts as survived when the launcher exits 0, every step committed B microbatches and
 exactly replica 2 was lost. Detection time: from the fault (the victim's record in
 faults_fired.jsonl, or the harness's clock when it stops the process / downs the link) to the
@@ -41,10 +48,10 @@ def _read(path: Path) -> list[dict]:
         if path.exists() else []
 
 
-def _launch_args(out: Path, replicas: int, extra=()) -> list[str]:
+def _launch_args(out: Path, replicas: int, extra=(), train=()) -> list[str]:
     return [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
             "--replicas", str(replicas), "--out", str(out), "--end-grace", "10", *extra,
-            "--", "--training.steps", str(STEPS), "--recover.timeouts.hang_s", "30"]
+            "--", "--training.steps", str(STEPS), "--recover.timeouts.hang_s", "30", *train]
 
 
 def _verdict(out: Path, rc: int, replicas: int, fault_time: float) -> dict:
@@ -71,15 +78,19 @@ def run_frozen(workdir: Path) -> dict:
     return result
 
 
-def run_netns(workdir: Path, fault: str, index: int, nodes: int) -> dict:
+def run_netns(workdir: Path, fault: str, index: int, nodes: int, per_node: int = 1,
+              numbering: str = "node") -> dict:
     from netns_cluster import NetnsCluster
 
     out = workdir / fault
     out.mkdir(parents=True)
     with NetnsCluster(nodes, prefix=f"rhdb{index % 100}{fault[6]}{nodes}",
                       subnet=f"10.231.{200 + index % 50}") as cluster:
-        mpi = [*cluster.mpirun_args(), "--map-by", "ppr:1:node"]
-        args = _launch_args(out, nodes, [f"--mpi-arg={a}" for a in mpi])
+        mpi = [*cluster.mpirun_args(), "--map-by", f"ppr:{per_node}:node",
+               *(["--rank-by", "slot"] if numbering == "slot" else [])]
+        args = _launch_args(out, nodes, [f"--mpi-arg={a}" for a in mpi]
+                            + ["--ranks-per-replica", str(per_node)],
+                            ["--recover.tiers.daemon_keepalive_s", "0"])
         log = open(workdir / f"{fault}.log", "w")
         started = time.time()
         proc = cluster.popen(0, args, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
@@ -92,7 +103,9 @@ def run_netns(workdir: Path, fault: str, index: int, nodes: int) -> dict:
         if fault == "netns_link":
             cluster.link_down(2)
         else:
-            os.kill(json.loads((out / "procs.json").read_text())[2]["pid"], signal.SIGSTOP)
+            for proc_info in json.loads((out / "procs.json").read_text())[
+                    2 * per_node:3 * per_node]:  # replica 2's ranks: the node frozen
+                os.kill(proc_info["pid"], signal.SIGSTOP)
         try:
             rc = proc.wait(timeout=300)
         except subprocess.TimeoutExpired:
@@ -101,6 +114,9 @@ def run_netns(workdir: Path, fault: str, index: int, nodes: int) -> dict:
         log.close()
         result = _verdict(out, rc, nodes, fault_time)
         result["wall_s"] = time.time() - started
+        procs = out / "procs.json"
+        result["hosts_by_rank"] = ([p["host"] for p in json.loads(procs.read_text())]
+                                   if procs.exists() else [])
         result["leftover"] = {n: p for n, p in cluster.leftover_pids().items()
                               if not n.endswith("n2")}
         return result
@@ -112,6 +128,11 @@ def main() -> None:
     parser.add_argument("--scenarios", default="frozen,netns_frozen,netns_link")
     parser.add_argument("--nodes", type=int, default=3, choices=(3, 4),
                         help="namespace nodes of the netns scenarios (one replica each)")
+    parser.add_argument("--ranks-per-node", type=int, default=1,
+                        help="S: ranks per replica, one replica per node (netns scenarios)")
+    parser.add_argument("--numbering", default="node", choices=("node", "slot"),
+                        help="MPI rank numbering: round-robin over hosts (the launcher's) or "
+                             "host by host (mpirun's default)")
     args = parser.parse_args()
     path = REPO / "benchmarks" / "results" / "detection.json"
     report = json.loads(path.read_text()) if path.exists() else {}
@@ -120,12 +141,15 @@ def main() -> None:
         for index in range(args.runs):
             with tempfile.TemporaryDirectory() as tmp:
                 result = (run_frozen(Path(tmp)) if scenario == "frozen"
-                          else run_netns(Path(tmp), scenario, index, args.nodes))
+                          else run_netns(Path(tmp), scenario, index, args.nodes,
+                                         args.ranks_per_node, args.numbering))
             runs.append(result)
             print(f"{scenario} run {index + 1}: survived={result['survived']} "
                   f"detect_s={result.get('detect_s')} wall={result['wall_s']:.1f}s", flush=True)
         detects = [r["detect_s"] for r in runs if r["survived"] and r.get("detect_s") is not None]
         key = scenario if scenario == "frozen" or args.nodes == 3 else f"{scenario}_{args.nodes}"
+        if scenario != "frozen" and args.ranks_per_node > 1:
+            key += f"_s{args.ranks_per_node}_{args.numbering}"
         report[key] = {
             "runs": len(runs), "survived": sum(r["survived"] for r in runs),
             "median_detect_s": statistics.median(detects) if detects else None,

@@ -13,12 +13,13 @@ from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.workload import WorkloadPolicy
 
 
-def build_world(job_config, placement, procs: Sequence[ProcessInfo] = (),
+def build_world(job_config, placement, procs: Sequence[ProcessInfo] = (), comm=None,
                 newcomer: bool = False):
-    """The ULFM world over ``MPI.COMM_WORLD`` (a newcomer's: over its spawn, [Note: rejoin] in
-    collectives/join.py). Built right after the bootstrap, before the model: a death while the
-    trainer builds the model, the data and loads a checkpoint is then an ordinary death found
-    by step 1's collectives, not a failed MPI call of the start-up."""
+    """The ULFM world over ``comm``, the job's communicator ([Note: host-interleaved ranks] in
+    collectives/ranks.py; default ``MPI.COMM_WORLD``; a newcomer's: over its spawn, [Note:
+    rejoin] in collectives/join.py). Built right after the bootstrap, before the model: a
+    death while the trainer builds the model, the data and loads a checkpoint is then an
+    ordinary death found by step 1's collectives, not a failed MPI call of the start-up."""
     from recover_hsdp.collectives import MPI, FaultTolerantWorld
     from recover_hsdp.groups.timeouts import job_deadlines
 
@@ -31,7 +32,7 @@ def build_world(job_config, placement, procs: Sequence[ProcessInfo] = (),
                                             arbiter_dir=arbiter)
         world.assume_rank(placement.world_rank)
         return world
-    return FaultTolerantWorld(MPI.COMM_WORLD, placement.ranks_per_replica, deadlines,
+    return FaultTolerantWorld(comm or MPI.COMM_WORLD, placement.ranks_per_replica, deadlines,
                              arbiter_dir=arbiter)
 
 

@@ -30,6 +30,7 @@ from torchtitan.train import Trainer
 
 from recover_hsdp import certificates
 from recover_hsdp.collectives.mpirun import job_environment
+from recover_hsdp.collectives.ranks import job_communicator
 from recover_hsdp.collectives.processes import write_registry
 from recover_hsdp.config import validate
 from recover_hsdp.errors import ConfigError, one_line
@@ -177,14 +178,17 @@ class RecoverTrainer(Trainer):
         self._joining = newcomer is not None
         validate(job_config, world_size=newcomer.world_size if newcomer
                  else MPI.COMM_WORLD.Get_size())
+        # the job's order of ranks, whatever mpirun's: [Note: host-interleaved ranks]
+        comm = MPI.COMM_WORLD if newcomer else job_communicator()
         self.replica_world = bootstrap_replica(ranks_per_replica,
                                                job_config.comm.init_timeout_seconds,
-                                               placement=newcomer)
+                                               comm=comm, placement=newcomer)
         # The world exists before the model is built (build_world): a death from here on is an
         # ordinary death that step 1 finds; building the model, the data and loading a
         # checkpoint can take longer than the hang timeout, hence the pause.
         layout = self.replica_world.layout
-        world = build_world(job_config, layout, self.replica_world.procs, newcomer=self._joining)
+        world = build_world(job_config, layout, self.replica_world.procs, comm=comm,
+                            newcomer=self._joining)
         self._faults = build_injector_for(job_config, layout)  # phase startup: init_distributed
         with world.watchdog_paused():
             super().__init__(job_config)
