@@ -4,11 +4,13 @@
 MPI_COMM_WORLD: rank w observes rank w - 1, and when it declares that rank dead it starts
 observing the next rank before it, from a fresh timeout. Numbered host by host (mpirun's
 default), the S ranks of a lost host are neighbours in that ring and are found one after the
-other, S x ``detect_s``: 19.5 s for S = 3 at 4 s (issue 30), and a GPU host holds 8. So the
-launcher numbers the processes round-robin over the hosts when a job spans several
-(``--rank-by node``, :func:`rank_by_node_args`): every rank of a host is then observed from
-another host, and a lost host's ranks are declared dead together, one ``detect_s`` after the
-loss.
+other, S x ``detect_s``: 20.8 s for S = 3 at 4 s (benchmarks/README.md), and a GPU host
+holds 8. Numbered round-robin over the hosts (``--mpi-arg=--rank-by --mpi-arg=node``), every
+rank of a host is observed from another host and a lost host's ranks are declared dead
+together, one ``detect_s`` after the loss (measured: 4.2 and 5.1 s). That numbering is opt-in,
+not the launcher's default: in 2 of its 3 measured runs an attempt ended at start-up (relaunched,
+then completed), none in the one host-by-host run; too few runs to tell, and a start-up lost is
+what [Note: detection margins by phase] fights, so the default stays mpirun's until it is.
 
 The project keeps its own order, replica-major ([Note: replica layout] in config/checks.py:
 replica r's shard s is rank r x S + s): :func:`replica_major_keys` rebuilds it from where the
@@ -58,13 +60,3 @@ def job_communicator(comm=None):
     if keys == list(range(len(keys))):
         return comm
     return comm.Split(color=0, key=keys[rank])
-
-
-def rank_by_node_args(hosts: Sequence[str], mpi_args: Sequence[str]) -> list[str]:
-    """``--rank-by node`` for a job over several hosts ([Note: host-interleaved ranks]),
-    unless the user chose a ranking (``--rank-by`` or a ``:rank-by`` / ``--map-by`` with
-    ``rank-by`` in it)."""
-    said = " ".join(mpi_args)
-    if len(set(hosts)) < 2 or "rank-by" in said:
-        return []
-    return ["--rank-by", "node"]
