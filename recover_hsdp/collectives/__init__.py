@@ -13,7 +13,7 @@ in pyproject.toml). Modules:
   mpi.py         the one ``mpi4py.MPI`` import, after [Note: serialized, no finalize]
   guard.py       per-call deadlines and the hang watchdog (``Deadlines``, ``MpiGuard``)
   membership.py  ``ReplicaLayout``, ``ConsensusResult``, ``JoinOffer`` (plain data, no MPI)
-  ranks.py       the job's replica-major order over mpirun's round-robin numbering
+  ranks.py       the job's replica-major order, whatever mpirun's numbering
                  ([Note: host-interleaved ranks])
   mpirun.py      the measured-safe ``mpirun --with-ft ulfm`` line and the ULFM check
   processes.py   which process is which rank; ending the ones the world excluded

@@ -8,9 +8,10 @@ other, S x ``detect_s``: 20.8 s for S = 3 at 4 s (benchmarks/README.md), and a G
 holds 8. Numbered round-robin over the hosts (``--mpi-arg=--rank-by --mpi-arg=node``), every
 rank of a host is observed from another host and a lost host's ranks are declared dead
 together, one ``detect_s`` after the loss (measured: 4.2 and 5.1 s). That numbering is opt-in,
-not the launcher's default: in 2 of its 3 measured runs an attempt ended at start-up (relaunched,
-then completed), none in the one host-by-host run; too few runs to tell, and a start-up lost is
-what [Note: detection margins by phase] fights, so the default stays mpirun's until it is.
+not the launcher's default: in 1 of its 3 measured runs an attempt ended at start-up (relaunched,
+then completed; a second run ended in an event the bench did not expect, its kind not kept),
+none in the one host-by-host run; too few runs to tell, and a start-up lost is what [Note:
+detection margins by phase] fights, so the default stays mpirun's until it is.
 
 The project keeps its own order, replica-major ([Note: replica layout] in config/checks.py:
 replica r's shard s is rank r x S + s): :func:`replica_major_keys` rebuilds it from where the
