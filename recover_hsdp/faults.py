@@ -2,8 +2,9 @@
 
 Faults come from ``[recover.faults]`` (``inject``: specs separated by ";") or the launcher's
 repeatable ``--fault replica=R,step=N,phase=P[,rank=K][,mode=M][,bucket=B][,at=A]`` (M in
-sigkill|exit|hang|stop|raise|busy|nan|inf_loss|slow|bitflip; A, for phase=consensus only, where inside the
-consensus: consensus (before the agreement, the default), shrink, rebuild, agree-membership),
+sigkill|exit|hang|stop|raise|busy|nan|inf_loss|slow|bitflip|corrupt; A, for phase=consensus
+only, where inside the consensus: consensus (before the agreement, the default), shrink,
+rebuild, agree-membership),
 plus an optional paper-like schedule (:func:`failure_schedule`): one failure every ``every``
 steps at a seeded random step inside each interval, ``max_failures`` in all, each of a mode
 drawn from ``modes``; its victim is drawn when the step is planned, among the replicas alive
@@ -31,6 +32,10 @@ Faults that do not end the rank ([Note: bad replicas] in manager/culprits.py):
   float32 mantissa bit) of element ``element=E`` (default 0) of this rank's parameter shard is
   flipped: the replica's state silently differs from the others' and stays finite
   ([Note: divergence votes] in manager/divergence.py finds it).
+* ``mode=corrupt`` (phase forward): from step N on, every backward of the replica (each of its
+  ranks) computes its gradient scaled by ``factor=F`` (default 1.001) while the loss it reports
+  stays right: wrong but finite, every step, in every computation of that replica, audits
+  included ([Note: gradient audits] in manager/audits.py finds it).
 
 Before dying the victim appends one line to ``faults_fired.jsonl`` (fsync'ed), the counter the
 tests check afterwards.
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import random
 import signal
@@ -66,6 +72,7 @@ class Mode(str, enum.Enum):
     INF_LOSS = "inf_loss"  # NOT a death: the replica's loss of that step is +inf
     SLOW = "slow"        # NOT a death: ``seconds`` extra per microbatch from that step on
     BITFLIP = "bitflip"  # NOT a death: one bit of the parameter shard flipped after the update
+    CORRUPT = "corrupt"  # NOT a death: every gradient of the replica scaled by ``factor`` from N on
 
 
 class ConsensusPoint(str, enum.Enum):
@@ -93,9 +100,13 @@ class FaultSpec:
     times: float = 0.0  # mode=slow: F times the last microbatch before the fault (0: seconds)
     element: int = 0  # mode=bitflip: which element of the shard (in parameter order)
     bit: int = 20  # mode=bitflip: which bit of its raw word
+    factor: float = 1.001  # mode=corrupt: the replica's gradients are this many times right
 
     def covers(self, step: int) -> bool:
-        """Whether ``step`` is one this fault fires at (a slow fault spans its ``steps``)."""
+        """Whether ``step`` is one this fault fires at (a slow fault spans its ``steps``, a
+        corrupt one every step from its own)."""
+        if self.mode is Mode.CORRUPT:
+            return step >= self.step
         if self.mode is not Mode.SLOW:
             return step == self.step
         return step >= self.step and (self.steps <= 0 or step < self.step + self.steps)
@@ -108,7 +119,7 @@ class FaultSpec:
             fields[key.strip()] = value.strip()
         try:
             mode = Mode(fields.pop("mode", "sigkill"))
-            default_phase = "forward" if mode is Mode.SLOW else "grad_sync"
+            default_phase = "forward" if mode in (Mode.SLOW, Mode.CORRUPT) else "grad_sync"
             spec = cls(replica=int(fields.pop("replica")), step=int(fields.pop("step")),
                        phase=Phase(fields.pop("phase", default_phase)),
                        rank=int(fields["rank"]) if "rank" in fields else None,
@@ -117,14 +128,16 @@ class FaultSpec:
                        point=ConsensusPoint(fields.pop("at", "consensus")),
                        steps=int(fields.pop("steps", 0)),
                        times=float(fields.pop("times", 0.0)),
-                       element=int(fields.pop("element", 0)), bit=int(fields.pop("bit", 20)))
+                       element=int(fields.pop("element", 0)), bit=int(fields.pop("bit", 20)),
+                       factor=float(fields.pop("factor", 1.001)))
             fields.pop("rank", None)
         except (KeyError, ValueError) as err:
             raise ConfigError(
                 f"--fault {text!r}: {err}: expected replica=R,step=N,phase="
                 f"{'|'.join(p.value for p in Phase)}[,rank=K][,mode="
                 f"{'|'.join(m.value for m in Mode)}][,bucket=B][,seconds=S][,steps=K]"
-                f"[,times=F][,element=E][,bit=K][,at={'|'.join(c.value for c in ConsensusPoint)}]"
+                f"[,times=F][,element=E][,bit=K][,factor=F]"
+                f"[,at={'|'.join(c.value for c in ConsensusPoint)}]"
                 ) from None
         if fields:
             raise ConfigError(f"--fault {text!r}: unknown key {sorted(fields)[0]!r}")
@@ -138,7 +151,7 @@ class FaultSpec:
 
 #: The phase a fault that does not end the rank must fire at (inf_loss: any).
 _BAD_REPLICA_PHASES = {Mode.NAN: (Phase.GRAD_SYNC,), Mode.SLOW: (Phase.FORWARD,),
-                       Mode.BITFLIP: (Phase.OPTIMIZER,)}
+                       Mode.BITFLIP: (Phase.OPTIMIZER,), Mode.CORRUPT: (Phase.FORWARD,)}
 
 
 def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
@@ -156,6 +169,11 @@ def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
     if flips and (spec.element < 0 or not 0 <= spec.bit < 64):
         raise ConfigError(f"--fault {text!r}: mode=bitflip needs element >= 0 and bit in "
                           "0..63 (within the element's word, e.g. 0..31 for float32)")
+    if spec.factor != 1.001 and spec.mode is not Mode.CORRUPT:
+        raise ConfigError(f"--fault {text!r}: factor=F is for mode=corrupt only; drop it")
+    if spec.mode is Mode.CORRUPT and not (math.isfinite(spec.factor) and spec.factor != 1.0):
+        raise ConfigError(f"--fault {text!r}: mode=corrupt needs a finite factor other than 1 "
+                          "(e.g. factor=1.001)")
     if spec.times and (spec.mode is not Mode.SLOW or spec.times < 1):
         raise ConfigError(f"--fault {text!r}: times=F is for mode=slow only, with F >= 1 "
                           "(2: every microbatch twice as long)")
@@ -163,7 +181,7 @@ def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
 
 #: The modes a schedule may draw (slow and busy are not failures of one step).
 SCHEDULE_MODES = (Mode.SIGKILL, Mode.EXIT, Mode.HANG, Mode.STOP, Mode.RAISE, Mode.NAN,
-                  Mode.INF_LOSS, Mode.BITFLIP)
+                  Mode.INF_LOSS, Mode.BITFLIP, Mode.CORRUPT)
 
 
 @dataclass(frozen=True)
@@ -256,6 +274,9 @@ class FaultInjector:
                 continue
             if spec.mode is Mode.INF_LOSS:
                 continue  # applied by ``loss_of``
+            if spec.mode is Mode.CORRUPT:
+                self._record_once(spec)  # applied by ``gradient_factor``
+                continue
             if spec.mode is Mode.NAN:
                 self._poison(spec, bucket, buckets_total, tensors)
                 continue
@@ -297,6 +318,15 @@ class FaultInjector:
                 self._record_once(spec)
                 return float("inf")
         return loss
+
+    def gradient_factor(self, step: int) -> float:
+        """What this replica's backward multiplies its gradients by in ``step``: a ``mode=
+        corrupt`` fault's ``factor`` from its step on, else 1.0."""
+        factor = 1.0
+        for spec in self.mine:
+            if spec.mode is Mode.CORRUPT and spec.covers(step):
+                factor *= spec.factor
+        return factor
 
     def _record_once(self, spec: FaultSpec) -> None:
         if spec not in self._recorded:

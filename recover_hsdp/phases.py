@@ -30,6 +30,7 @@ class Phase(str, enum.Enum):
     FORWARD = "forward"        # 2. inside compute: one microbatch's forward
     BACKWARD = "backward"      # 2. inside compute: one microbatch's backward
     GRAD_SYNC = "grad_sync"    # 3. snapshot + cross-replica reduce of each bucket, then totals
+    AUDIT = "audit"            # 3. an audit step: audited microbatches computed again
     CONSENSUS = "consensus"    # 4. was the epoch clean? (and its repair's stages, ``at=``)
     REPAIR = "repair"          # 5. after a shrink: re-plan, compute the extras
     REREDUCE = "rereduce"      # 5. restore the stale buckets from their snapshots, reduce again
@@ -41,9 +42,10 @@ class Phase(str, enum.Enum):
 
 
 #: The spans of one step in the order ``RecoverManager.step`` walks them (a profile of a step
-#: shows these labels); REPAIR and REREDUCE repeat while an epoch fails.
-STEP_SPANS = (Phase.PLAN, Phase.COMPUTE, Phase.GRAD_SYNC, Phase.CONSENSUS, Phase.REPAIR,
-              Phase.REREDUCE, Phase.COMMIT)
+#: shows these labels); AUDIT only in an audit step; REPAIR and REREDUCE repeat while an epoch
+#: fails.
+STEP_SPANS = (Phase.PLAN, Phase.COMPUTE, Phase.GRAD_SYNC, Phase.AUDIT, Phase.CONSENSUS,
+              Phase.REPAIR, Phase.REREDUCE, Phase.COMMIT)
 
 
 def profiler_labels(step: int, phase: Phase):

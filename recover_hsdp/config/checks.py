@@ -140,6 +140,11 @@ def _check_dataset(job_config) -> None:
                           f"(global microbatch ids), and training.dataset={training.dataset!r} "
                           "is a stream: use data_assignment = \"stream\", or a map-style dataset "
                           "(e.g. \"local_corpus\", \"c4_test\")")
+    if rc.workload.data_assignment == "stream" and rc.bad_replicas.audit_interval > 0:
+        raise ConfigError("recover.bad_replicas.audit_interval needs data_assignment = \"exact\" "
+                          "(an auditor reads the audited replica's microbatch by its global id; "
+                          "in stream mode it cannot read another replica's stream): set "
+                          "audit_interval = 0 or use exact mode ([Note: gradient audits])")
     if training.dataset in STREAMING_DATASETS and not training.dataset_path:
         raise ConfigError(f"training.dataset_path is empty for training.dataset="
                           f"{training.dataset!r}: jobs never download; point it at a local copy "

@@ -238,10 +238,32 @@ class BadReplicas:
     CPU, the debug model): 1.7-3.8% of a 256-token step, 0.14% of a 4 x 1024-token one; it falls
     with the tokens per step (on a GPU the read runs at memory bandwidth)."""
 
+    audit_interval: int = 0
+    """Every this many steps each replica that commits work has one of its microbatches
+    computed again by another replica and the two compared ([Note: gradient audits] in
+    manager/audits.py): a pair that differs is settled by a third computation and its culprit
+    excluded from the step like a non-finite one (``max_offences`` retire it). Finds a backward
+    that is wrong but finite (a bad ALU), which nothing else sees. 0: off (the default). Costs 2
+    microbatches of compute per replica per audit step (``benchmarks/fingerprint_bench.py``);
+    exact data assignment only."""
+
+    audit_tolerance: float = 1e-5
+    """Two signatures of the same microbatch agree when each statistic (loss, gradient sum, sum
+    of |g|, sum of g^2) differs by at most this much relative to its scale. On CPU the two
+    computations are bitwise equal (measured 0); on a GPU with non-deterministic kernels set it
+    above their noise (each step's record carries ``audit.max_rel_diff``). A corruption
+    smaller than this is not found. In [0, 1)."""
+
     def check(self) -> None:
         _integer(self, "max_offences", 1)
         _integer(self, "offence_window_steps", 1)
         _integer(self, "consistency_check_interval", 0)
+        _integer(self, "audit_interval", 0)
+        tolerance = self.audit_tolerance
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) \
+                or not 0 <= tolerance < 1:
+            raise ConfigError(f"recover.bad_replicas.audit_tolerance must be a number in [0, 1), "
+                              f"e.g. 1e-5 (got {tolerance!r})")
         try:
             self.straggler_rule().check()
         except ValueError as err:

@@ -77,13 +77,23 @@ class Culprits:
         self.offences = Offences(limits.max_offences, limits.offence_window_steps)
 
     def absorb(self, step: int, state, policy, span, leave: Callable[[int, str], None],
-               compute_new_extras: Callable[[], None], rereduce: Callable[[], int]) -> None:
+               compute_new_extras: Callable[[], None], rereduce: Callable[[], int],
+               found: tuple[int, ...] = (),
+               log_found: Callable[[dict, list], None] | None = None) -> None:
         """The bad path of ``step`` (its ``StepState``): agree on the culprits, exclude them
         from the plan (``policy.exclude``), compute the new extras, then rebuild and reduce
         every bucket. If the agreement's reduce failed (a death meanwhile) nothing changes:
-        the consensus repairs first and the step is checked again."""
+        the consensus repairs first and the step is checked again. ``found``: culprits
+        already agreed elsewhere (an audit's, [Note: gradient audits] in audits.py): no
+        agreement, their offences counted here and ``log_found(counts, retiring)`` records
+        them."""
         with span(step, Phase.REPAIR):
-            culprits = self.agree(step, state.plan, state.stats, leave)
+            if found:
+                culprits = found
+                self.sentence(step, culprits, leave, "audited gradients that differ",
+                              log_found or (lambda counts, retiring: None))
+            else:
+                culprits = self.agree(step, state.plan, state.stats, leave)
             if culprits is None:
                 return
             state.plan = policy.exclude(state.plan, culprits)
@@ -114,17 +124,25 @@ class Culprits:
             raise RuntimeError(f"step {step}: refusing to commit: the reduced gradient or loss is "
                                "not finite but no replica's own contribution is (an overflow in "
                                "the sum, not a bad replica): [Note: bad replicas]")
+        self.sentence(step, culprits, leave, "non-finite contributions",
+                      lambda counts, retiring: self._log(step, rows, counts, retiring))
+        return culprits
+
+    def sentence(self, step: int, culprits: tuple[int, ...], leave: Callable[[int, str], None],
+                 what: str, log: Callable[[dict, list], None]) -> None:
+        """One more offence for each of ``culprits`` (``log(counts, retiring)`` records it);
+        a rank of a culprit at its limit calls ``leave`` (never returns); a culprit's extras
+        are dropped from its buckets."""
         counts = {r: self.offences.add(step, r) for r in culprits}
         retiring = [r for r in culprits if self.offences.retires(counts[r])]
-        self._log(step, rows, counts, retiring)
+        log(counts, retiring)
         for r in retiring:
             self.offences.forget(r)
         if self.world.replica in retiring:
-            leave(step, f"retired: {counts[self.world.replica]} non-finite contributions within "
+            leave(step, f"retired: {counts[self.world.replica]} {what} within "
                         f"{self.offences.window_steps} steps ([Note: bad replicas])")
         if self.world.replica in culprits:
             self.bucket_sync.drop_extras()
-        return culprits
 
     def _log(self, step: int, rows: np.ndarray, counts: dict[int, int], retiring) -> None:
         self.outputs.log_event({

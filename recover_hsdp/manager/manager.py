@@ -17,6 +17,8 @@ the trainer when it may update. It holds the three layers and its parts, each ow
   certifier      ``Certifier``: [Note: certified checkpoints], saves certified, loads verified
   rejoin         ``Rejoin``: [Note: rejoin at a boundary]
   culprits       ``Culprits``: [Note: bad replicas], non-finite contributions absorbed
+  audits         ``Audits``: [Note: gradient audits], a microbatch computed again by another
+                 replica, a culprit settled by a third
   (divergence)   ``diverged_replicas``: [Note: divergence votes], a replica whose parameters
                  differ from a strict majority's leaves
 
@@ -28,8 +30,10 @@ walks these phases in this order (``recover_hsdp.phases.Phase``, a profile shows
      (``StepWork.set_gradient_sync``); a replica-local error fails the epoch;
   3. grad_sync: during the last backward the all-reduce hook of every FSDP unit snapshots its
      bucket and sums it across replicas under the current epoch (on the torch data plane the
-     sums are enqueued and waited for here: [Note: overlapped bucket sums]); then the step's totals
-     (``StepTotals``: loss, tokens, the measured microbatches) are summed the same way;
+     sums are enqueued and waited for here: [Note: overlapped bucket sums]); in an audit step
+     the audited microbatches are computed again ([Note: gradient audits]); then the step's
+     totals (``StepTotals``: loss, tokens, the measured microbatches, the audit's signatures)
+     are summed the same way;
   4. consensus: every rank agrees the epoch was clean -> commit: the trainer rescales, clips and
      steps the optimizer (``StepWork.apply_update``); ledger line, metrics record;
   5. otherwise the world shrinks (epoch + 1), ranks of dead replicas retire; repair: the policy
@@ -41,7 +45,9 @@ walks these phases in this order (``recover_hsdp.phases.Phase``, a profile shows
      compute their microbatches as extras, every bucket is reduced again; back to 4. A
      replica whose parameter fingerprint (in the totals of 3) differs from a strict majority's
      leaves before the update ([Note: divergence votes], manager/divergence.py): a death,
-     back to 4; no strict majority refuses the step. Each committed step feeds the replicas'
+     back to 4; no strict majority refuses the step. An audited pair that differs is settled
+     by a third computation and its culprit excluded like a non-finite one ([Note: gradient
+     audits], manager/audits.py). Each committed step feeds the replicas'
      compute seconds per microbatch to the policy ([Note: straggler quotas]).
 Invariant: every committed step sums exactly B microbatch gradients: the policy asserts it per
 plan, and the step is measured before it commits ([Note: measured microbatches] in
@@ -63,6 +69,7 @@ from recover_hsdp.collectives.processes import ProcessInfo
 from recover_hsdp.errors import one_line
 from recover_hsdp.config import BadReplicas, Tiers
 from recover_hsdp.faults import ConsensusPoint, FaultInjector
+from recover_hsdp.manager.audits import SLOTS, Audits
 from recover_hsdp.manager.between_steps import BetweenSteps
 from recover_hsdp.manager.certify import Certifier
 from recover_hsdp.manager.culprits import Culprits
@@ -152,6 +159,9 @@ class RecoverManager:
                              respawn_after_steps=tiers.respawn_after_steps, joins=joins)
         self.culprits = Culprits(world=world, bucket_sync=bucket_sync, outputs=outputs,
                                  initial_replicas=policy.initial_replicas, limits=bad_replicas)
+        self.audits = Audits(world=world, outputs=outputs, initial_replicas=policy.initial_replicas,
+                             interval=bad_replicas.audit_interval,
+                             tolerance=bad_replicas.audit_tolerance)
         self._last_microbatch_s: float | None = None  # this rank's, measured (its own work)
         self.committed_data: list[DataRef] = []  # this replica's data in the last committed step
         self._contract_checked = False
@@ -238,6 +248,13 @@ class RecoverManager:
             buckets = len(self.bucket_sync.buckets)
             self.phases.point(step, Phase.GRAD_SYNC, bucket=buckets, buckets_total=buckets)
             state.sync_time_s = time.perf_counter() - sync_started
+        state.audit_pairs = self.audits.due(step, plan)
+        if state.audit_pairs:                                            # 3 (an audit step)
+            with span(step, Phase.AUDIT):
+                self._audit_signatures(step, work, state)
+        else:
+            state.audit = {}
+        with span(step, Phase.GRAD_SYNC):
             self._sum_totals(state)
         while True:
             self._until_clean(step, work, state)                         # 4, 5
@@ -245,9 +262,11 @@ class RecoverManager:
                 record = self._commit(step, work, state)
             if record is not None:
                 break
-            if not state.diverged:                   # (diverged: its ranks left, a death)
-                self._absorb_culprits(step, work, state)  # not finite: [Note: bad replicas]
-        record["phase_s"] = dict(self.timer.seconds)
+            if state.audit_culprits:                 # [Note: gradient audits]
+                self._absorb_culprits(step, work, state, found=state.audit_culprits)
+            elif not (state.diverged or state.audit_failed):  # (their ranks left, or the
+                self._absorb_culprits(step, work, state)  # third computations' reduce failed:
+        record["phase_s"] = dict(self.timer.seconds)      # a death, repaired first)
         self.world.step_done(state.longest_microbatch_s)
         return record
 
@@ -271,12 +290,41 @@ class RecoverManager:
                 extra_microbatches=state.plan.extras_total(),
                 promoted=list(state.plan.promoted()), decided_at=self._decided_at)
 
-    def _absorb_culprits(self, step: int, work: StepWork, state: StepState) -> None:
+    def _absorb_culprits(self, step: int, work: StepWork, state: StepState,
+                         found: tuple[int, ...] = ()) -> None:
         """[Note: bad replicas] (manager/culprits.py): exclude the agreed culprits from this
-        step, compute their microbatches as extras, reduce every bucket again."""
+        step, compute their microbatches as extras, reduce every bucket again; ``found``: an
+        audit's culprits ([Note: gradient audits])."""
+        state.audit_culprits = ()
+        summary = state.audit
         self.culprits.absorb(step, state, self.policy, self.phases.span, self.replica_error,
                              lambda: self._compute_new_extras(step, work, state),
-                             lambda: self._rereduce(state))
+                             lambda: self._rereduce(state), found=found,
+                             log_found=lambda counts, retiring: self.audits.log(
+                                 step, summary, counts, retiring))
+
+    def _audit_signatures(self, step: int, work: StepWork, state: StepState) -> None:
+        """[Note: gradient audits] 1-2: this rank's signatures of the step's audited
+        microbatches, after the step's own sync."""
+        state.signatures = self.audits.signatures(
+            state.audit_pairs, lambda data: self._signature(step, work, state, data))
+
+    def _signature(self, step: int, work: StepWork, state: StepState, data) -> list[float]:
+        """One audit pass of the microbatch at ``data`` on this rank: its loss (0 on a
+        tensor-parallel peer: counted once) and its gradient's statistics, nothing reduced
+        across replicas nor kept in ``.grad`` (``BucketSync.begin_audit``)."""
+        self.phases.point(step, Phase.AUDIT, microbatch=data.index)
+        try:
+            work.set_gradient_sync(True)
+            self.bucket_sync.begin_audit()
+            measured = work.forward_backward(data, state.nominal_tokens, lambda: None,
+                                             grad_factor=self.faults.gradient_factor(step))
+            statistics = self.bucket_sync.end_audit()
+            (loss, _, _), = work.measures([measured])
+        except Exception as err:  # noqa: BLE001 - any error inside the replica: it leaves
+            self.replica_error(step, one_line(err))
+        self.world.heartbeat()
+        return [loss if self.counts_data else 0.0, *statistics]
 
     def _compute(self, step: int, work: StepWork, ids: Sequence[int], state: StepState) -> float:
         """Forward/backward of ``ids`` (FSDP syncs on the last one). Returns when sync began.
@@ -301,7 +349,8 @@ class RecoverManager:
                 point(step, Phase.FORWARD, last_microbatch_s=self._last_microbatch_s,
                       microbatch=ids[index] if ids else None)
                 pending.append((ids[index] if ids else None, work.forward_backward(
-                    data_id, state.nominal_tokens, lambda: point(step, Phase.BACKWARD))))
+                    data_id, state.nominal_tokens, lambda: point(step, Phase.BACKWARD),
+                    grad_factor=self.faults.gradient_factor(step))))
                 self.world.heartbeat()
                 # the microbatch's own work, less its waits in the cross-replica reduces
                 self._last_microbatch_s = (time.perf_counter() - microbatch_started
@@ -355,6 +404,9 @@ class RecoverManager:
         totals.fingerprints = [0.0] * (2 * width)  # [Note: divergence votes]
         if self._fingerprint(state) is not None:
             totals.fingerprints[2 * self.replica:2 * self.replica + 2] = halves(state.fingerprint)
+        if self.audits.interval > 0:  # [Note: gradient audits]
+            totals.signatures = (list(state.signatures) if state.signatures is not None
+                                 else [0.0] * (SLOTS * width))
         values = totals.to_array()  # rejoin's counts ride along: [Note: rejoin at a boundary]
         self.world.allreduce_global(values)
         state.totals = StepTotals.from_array(values, width)
@@ -412,7 +464,8 @@ class RecoverManager:
         reduced = totals.check_measured(step, plan.committed_total(),
                                         self.world.layout.ranks_per_replica, state.nominal_tokens)
         state.diverged = self._diverged(step, totals)
-        if state.diverged or not math.isfinite(totals.loss):
+        if state.diverged or not math.isfinite(totals.loss) or not self._audited(step, work,
+                                                                                   state):
             return None
         loss_sum, tokens = totals.loss, int(totals.tokens)
         scale = 1.0
@@ -435,8 +488,10 @@ class RecoverManager:
         mine = plan.assignment(self.replica)
         self.committed_data = [mine.data_ref(i) for i in sorted(mine.committed_ids)]
         self.writer.record_commit(plan, self.world.epoch)
+        audit = {k: v for k, v in (state.audit or {}).items() if k != "differ"}
         return {
             "step": step, "loss": loss_sum, "grad_norm": float(grad_norm), "tokens": tokens,
+            **({"audit": audit} if audit else {}),
             "alive_replicas": len(self.world.alive_replicas),
             "committed_microbatches": plan.committed_total(), "reduced_microbatches": reduced,
             "epoch": self.world.epoch,
@@ -445,6 +500,22 @@ class RecoverManager:
             "compute_s_per_microbatch": {str(r): totals.compute_s[r] for r in plan.alive},
             "snapshot_bytes_per_rank": sync.snapshot_bytes(),
         }
+
+    def _audited(self, step: int, work: StepWork, state: StepState) -> bool:
+        """[Note: gradient audits] 3: True when the step may go on to its update (no audit,
+        or every pair agrees, or its culprits were already absorbed); False with
+        ``state.audit_culprits`` set (to be excluded), or with ``state.audit_failed`` (the
+        third computations' reduce failed: the consensus repairs first)."""
+        state.audit_failed = False
+        if state.audit is not None:
+            return True
+        found = self.audits.verdict(step, state.plan, state.audit_pairs, state.totals.signatures,
+                                    lambda data: self._signature(step, work, state, data))
+        if found is None:
+            state.audit_failed = True
+            return False
+        state.audit_culprits, state.audit = found
+        return not state.audit_culprits
 
     def _fingerprint(self, state: StepState) -> int | None:
         """This rank's parameter fingerprint for the step's vote, taken once per voting step

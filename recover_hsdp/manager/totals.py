@@ -4,10 +4,12 @@
 positions are counted, not read from the plan; [Note: rejoin at a boundary]
 (manager/rejoin.py) why the join counts ride along; [Note: straggler quotas]
 (workload/rebalance.py) why each replica's compute seconds per microbatch do; [Note: divergence
-votes] (manager/divergence.py) why each replica's parameter fingerprint does. The fields travel
-as one float64 array in a fixed order (``to_array`` / ``from_array``): the only place that
-order is written (the scalar fields, then ``compute_s``, one slot per initial replica, then
-``fingerprints``, two per initial replica).
+votes] (manager/divergence.py) why each replica's parameter fingerprint does; [Note: gradient
+audits] (manager/audits.py) why the audit's signatures do. The fields travel as one float64
+array in a fixed order (``to_array`` / ``from_array``): the only place that order is written
+(the scalar fields, then ``compute_s``, one slot per initial replica, then ``fingerprints``,
+two per initial replica, then ``signatures``, ``audits.SLOTS`` per initial replica in a run
+with audits, none without).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from recover_hsdp.manager.audits import SLOTS
 from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.workload import StepPlan, WorkloadPolicy
 
@@ -42,6 +45,9 @@ class StepTotals:
         fingerprints: per initial replica, the high and low 32 bits of its ranks' parameter
             fingerprints ([Note: exact fingerprints] in recovery/fingerprint.py), each rank
             adding its own halves (exact in float64); all 0 in a step without a vote.
+        signatures: per initial replica, the signatures of its audited microbatch and of the
+            one it audits (``audits.SLOTS`` values; empty in a run without audits, all 0 in a
+            step without one).
     """
 
     loss: float = 0.0
@@ -54,6 +60,7 @@ class StepTotals:
     join_failed: float = 0.0
     compute_s: list[float] = dataclasses.field(default_factory=list)
     fingerprints: list[float] = dataclasses.field(default_factory=list)
+    signatures: list[float] = dataclasses.field(default_factory=list)
 
     def add_microbatch(self, loss: float, tokens: int, positions: int) -> None:
         self.loss += loss
@@ -62,19 +69,21 @@ class StepTotals:
 
     def to_array(self) -> np.ndarray:
         return np.array([getattr(self, name) for name in _SCALARS] + list(self.compute_s)
-                        + list(self.fingerprints), np.float64)
+                        + list(self.fingerprints) + list(self.signatures), np.float64)
 
     @classmethod
     def from_array(cls, values: np.ndarray, replicas: int = 0) -> StepTotals:
         """``replicas``: W_init (``compute_s`` has one slot per replica, ``fingerprints``
-        two)."""
+        two, ``signatures`` ``audits.SLOTS`` or none)."""
         first = len(_SCALARS)
-        if len(values) != first + 3 * replicas:
+        if len(values) not in (first + 3 * replicas, first + (3 + SLOTS) * replicas):
             raise ValueError(f"StepTotals: {len(values)} values for {first} fields and "
                              f"{replicas} replicas")
+        prints = first + replicas
         return cls(**{name: float(value) for name, value in zip(_SCALARS, values)},
-                   compute_s=[float(v) for v in values[first:first + replicas]],
-                   fingerprints=[float(v) for v in values[first + replicas:]])
+                   compute_s=[float(v) for v in values[first:prints]],
+                   fingerprints=[float(v) for v in values[prints:prints + 2 * replicas]],
+                   signatures=[float(v) for v in values[prints + 2 * replicas:]])
 
     def replica_fingerprint(self, replica: int) -> tuple[float, float]:
         """``replica``'s summed fingerprint halves (high, low)."""
@@ -96,7 +105,7 @@ class StepTotals:
 
 
 _SCALARS = tuple(f.name for f in dataclasses.fields(StepTotals)
-                 if f.name not in ("compute_s", "fingerprints"))
+                 if f.name not in ("compute_s", "fingerprints", "signatures"))
 
 
 def observe_speeds(policy: WorkloadPolicy, outputs: RunMetrics, step: int, plan: StepPlan,

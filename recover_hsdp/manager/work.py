@@ -20,12 +20,15 @@ class StepWork(Protocol):
         """FSDP gradient sync on (last microbatch) or off (accumulate locally)."""
 
     def forward_backward(self, data: DataRef, nominal_tokens: int,
-                         before_backward: Callable[[], None]) -> tuple[float, int, int]:
+                         before_backward: Callable[[], None],
+                         grad_factor: float = 1.0) -> tuple[float, int, int]:
         """Forward + backward of the microbatch at ``data`` (a global id, or a position in a
         stream slot), loss divided by ``nominal_tokens``; ``before_backward()`` between the two
-        (a phase point). Returns (that loss, valid label tokens, label positions: tokens of
-        the microbatch on this rank, valid or not), each maybe still on the device: the
-        manager reads a step's worth at once with :meth:`measures`."""
+        (a phase point); ``grad_factor`` != 1: the backward runs on the loss times it (a
+        ``mode=corrupt`` fault: a wrong but finite gradient, the loss returned unchanged).
+        Returns (that loss, valid label tokens, label positions: tokens of the microbatch on
+        this rank, valid or not), each maybe still on the device: the manager reads a step's
+        worth at once with :meth:`measures`."""
 
     def measures(self, measured: list[tuple]) -> list[tuple[float, int, int]]:
         """What :meth:`forward_backward` returned for this step's microbatches, as host
@@ -81,3 +84,8 @@ class StepState:
     totals: StepTotals = field(default_factory=StepTotals)
     fingerprint: int | None = None  # this rank's, before the update ([Note: divergence votes])
     diverged: tuple[int, ...] = ()  # replicas the vote sent away in this epoch
+    audit_pairs: list = field(default_factory=list)  # [Note: gradient audits] (audits.py)
+    signatures: np.ndarray | None = None  # this rank's share of StepTotals.signatures
+    audit: dict | None = None  # the audit's summary once its verdict is in
+    audit_culprits: tuple[int, ...] = ()  # to be excluded from the step
+    audit_failed: bool = False  # the third computations' reduce failed (a death)

@@ -117,6 +117,7 @@ class BucketSync:
         self._by_unit: dict[int, Bucket] = {}
         self.contributes = True
         self.collecting_extras = False
+        self._audit: list[torch.Tensor] | None = None  # [Note: gradient audits]: statistics
         self.error: str | None = None  # first error raised inside the hook this step (not MPI's)
         self.reduce_s = 0.0  # seconds inside the cross-replica reduces this step (waiting for
         # the slowest replica: not this replica's compute, [Note: straggler quotas])
@@ -167,6 +168,22 @@ class BucketSync:
         step's buckets (in the same unit order) instead of being reduced."""
         self.collecting_extras = True
 
+    def begin_audit(self) -> None:
+        """The next synced backward is an audit's signature pass ([Note: gradient audits] in
+        manager/audits.py): each bucket's statistics are taken and the bucket zeroed (FSDP's
+        accumulation into ``.grad`` then adds nothing); nothing is snapshot, counted or
+        reduced. Call only when no unsynced gradient is pending (after the step's sync)."""
+        self._audit = []
+
+    def end_audit(self) -> list[float]:
+        """The pass's statistics over this rank's buckets: (sum, sum of |g|, sum of g^2),
+        read at once (one host sync on a GPU)."""
+        stats, self._audit = self._audit or [], None
+        self._join_hook_stream()
+        if not stats:
+            return [0.0, 0.0, 0.0]
+        return [float(x) for x in torch.stack(stats).sum(dim=0).cpu().tolist()]
+
     def check_contract(self) -> None:
         """Raise if a gradient is not a view of its bucket (item 3 of [Note: FSDP2 contract]).
         Call after a synced backward, before anything rebinds ``.grad``."""
@@ -202,7 +219,9 @@ class BucketSync:
 
     def _hook(self, unit: int, tensor: torch.Tensor) -> None:
         try:
-            if self.collecting_extras:
+            if self._audit is not None:
+                self._take_statistics(unit, tensor)
+            elif self.collecting_extras:
                 self._collect_extra(unit, tensor)
             else:
                 self._snapshot_and_reduce(unit, tensor)
@@ -231,6 +250,15 @@ class BucketSync:
         started = time.perf_counter()
         self._reduce(bucket)
         self.reduce_s += time.perf_counter() - started
+
+    def _take_statistics(self, unit: int, tensor: torch.Tensor) -> None:
+        """An audit's bucket: its statistics, then zeroed ([Note: gradient audits])."""
+        flat = tensor.detach().reshape(-1)
+        self._audit.append(torch.stack([
+            flat.sum(dtype=torch.float64), torch.linalg.vector_norm(flat, 1, dtype=torch.float64),
+            torch.linalg.vector_norm(flat, 2, dtype=torch.float64).square()]))
+        self._pending[unit] = 0
+        tensor.zero_()
 
     def _collect_extra(self, unit: int, tensor: torch.Tensor) -> None:
         bucket = self._by_unit.get(unit)

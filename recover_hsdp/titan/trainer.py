@@ -257,7 +257,8 @@ class RecoverTrainer(Trainer):
     def set_gradient_sync(self, enabled: bool) -> None:
         self.model_parts[0].set_requires_gradient_sync(enabled)
 
-    def forward_backward(self, data: DataRef, nominal_tokens: int, before_backward):
+    def forward_backward(self, data: DataRef, nominal_tokens: int, before_backward,
+                         grad_factor: float = 1.0):
         input_dict, labels = self.dataloader.microbatch(data)  # [Note: microbatch sources]
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
             {k: v.to(self.device) for k, v in input_dict.items()}, labels.to(self.device))
@@ -267,7 +268,7 @@ class RecoverTrainer(Trainer):
                 loss = self.loss_fn(pred, labels) / nominal_tokens
             del pred
             before_backward()
-            loss.backward()
+            (loss * grad_factor if grad_factor != 1.0 else loss).backward()
         return loss.detach(), (labels != IGNORE_INDEX).sum(), labels.numel()
 
     def measures(self, measured: list[tuple]) -> list[tuple[float, int, int]]:

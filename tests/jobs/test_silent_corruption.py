@@ -46,22 +46,31 @@ def _corrupt(folder: Path) -> None:
     shard.write_bytes(bytes(data))
 
 
-def test_a_bitflip_and_a_nan_in_a_4x1_job(tmp_path, failure_free):
-    """4 x 1: replica 1's first bucket turns NaN before its reduce at step 3 (excluded for that
-    step: [Note: bad replicas]); replica 2 flips bit 20 of one parameter after step 5's update:
-    step 6's vote (3 against 1) sends it away before step 6's update, so nothing it computed
-    from the flipped state is committed. B = 4 measured every step, the loss equals the
-    failure-free run's at every step.
+def test_a_bitflip_a_nan_and_a_wrong_backward_in_a_4x1_job(tmp_path, failure_free):
+    """4 x 1, gradients audited every step: replica 1's first bucket turns NaN before its
+    reduce at step 3 (excluded for that step: [Note: bad replicas]); replica 2 flips bit 20 of
+    one parameter after step 5's update: step 6's vote (3 against 1) sends it away before step
+    6's update, so nothing it computed from the flipped state is committed; from step 7 replica
+    3's every gradient is 1.001 x right, its loss right: the audits of steps 7 and 8 (its pairs
+    settled by a third) exclude it, step 9's retires it ([Note: gradient audits]). B = 4
+    measured every step, the loss equals the failure-free run's at every step.
     Real process: the flip in the real FSDP2 parameter, the fingerprints in the real MPI totals
     all-reduce, the culprit's rank ending itself, ULFM shrinking around it; FSDP2's real
     reduce-scatter buffer poisoned and restored, TorchTitan's clip_grad_norm_ (DTensor) seeing
-    the NaN on every rank, the MPI agreement on the culprit."""
-    _train(tmp_path, 4, faults=["replica=1,step=3,phase=grad_sync,mode=nan",
-                                f"replica=2,step=5,{BITFLIP}"])
+    the NaN on every rank, the MPI agreement on the culprit; the audits' passes through the
+    real FSDP2 hooks, their third computation in a real MPI all-reduce."""
+    _train(tmp_path, 4, "--recover.bad_replicas.audit_interval", "1",
+           faults=["replica=1,step=3,phase=grad_sync,mode=nan", f"replica=2,step=5,{BITFLIP}",
+                   "replica=3,step=7,phase=forward,mode=corrupt"])
     steps = read_jsonl(tmp_path / "metrics.jsonl")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert [s["reduced_microbatches"] for s in steps] == [4] * STEPS
-    assert [s["alive_replicas"] for s in steps] == [4] * 5 + [3] * 5
+    assert [s["alive_replicas"] for s in steps] == [4] * 5 + [3] * 3 + [2] * 2
+    assert [s["audit"]["culprits"] for s in steps] == [[]] * 6 + [[3]] * 3 + [[]]
+    assert all(s["audit"]["max_rel_diff"] == 0 for s in steps[:6] + steps[9:])
+    audits = _events(tmp_path, "audit")
+    assert [(e["step"], e["culprits"]["3"]["action"]) for e in audits] == [
+        (7, "excluded"), (8, "excluded"), (9, "retired")]
     diffs = [abs(a["loss"] - r["loss"]) for a, r in zip(steps, failure_free["exact"])]
     assert max(diffs) <= 1e-6, diffs
     (nan,) = _events(tmp_path, "nonfinite")
@@ -72,9 +81,13 @@ def test_a_bitflip_and_a_nan_in_a_4x1_job(tmp_path, failure_free):
     assert len(set(vote["fingerprints"].values())) == 2
     ledger = read_jsonl(tmp_path / "ledger.jsonl")
     assert "2" not in {r for r, w in ledger[5]["replicas"].items() if w["committed"]}
-    (death,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if "dead_replicas" in e]
+    assert all("3" not in {r for r, w in entry["replicas"].items() if w["committed"]}
+               for entry in ledger[6:])  # nothing of the wrong backward committed
+    death, retired = [e for e in read_jsonl(tmp_path / "events.jsonl") if "dead_replicas" in e]
     assert death["step"] == 6 and death["dead_replicas"] == [2]
     assert "diverged" in death["errors"]["2"][0]
+    assert retired["step"] == 9 and retired["dead_replicas"] == [3]
+    assert "audited gradients that differ" in retired["errors"]["3"][0]
     assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []
     no_step_waited_for_a_deadline(steps)
 

@@ -29,10 +29,10 @@ class NormWork(StandInWork):
 
     pause_s = 0.0  # per microbatch (a baseline compute time for the straggler tests)
 
-    def forward_backward(self, data, nominal_tokens, before_backward):
+    def forward_backward(self, data, nominal_tokens, before_backward, grad_factor=1.0):
         if self.pause_s:
             time.sleep(self.pause_s)
-        return super().forward_backward(data, nominal_tokens, before_backward)
+        return super().forward_backward(data, nominal_tokens, before_backward, grad_factor)
 
     def apply_update(self, grad_scale: float) -> float:
         squares = np.array([sum(float((g * grad_scale).pow(2).sum()) for g in self.grads)])

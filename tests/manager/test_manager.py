@@ -86,7 +86,7 @@ class StandInWork:
     def set_gradient_sync(self, enabled: bool) -> None:
         self.sync = enabled
 
-    def forward_backward(self, data, nominal_tokens, before_backward):
+    def forward_backward(self, data, nominal_tokens, before_backward, grad_factor=1.0):
         data_id = data_number(data, self.initial_replicas)
         if self.step in self.errors:
             raise RuntimeError(self.errors.pop(self.step))
@@ -95,7 +95,7 @@ class StandInWork:
             self.world.fail_epoch("transient failure (test)")
         before_backward()
         for unit in range(len(self.units)):
-            self.acc[unit] += grad_of(data_id, unit, self.shard)
+            self.acc[unit] += grad_of(data_id, unit, self.shard) * grad_factor
             self.bucket_sync.count_backward(unit)  # what the real units' gradient hooks do
         if self.sync:  # FSDP: hooks in reverse unit order; .grad is a view of the first bucket
             for unit in reversed(range(len(self.units))):
