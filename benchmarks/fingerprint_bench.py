@@ -1,6 +1,7 @@
-"""What the divergence vote and the checkpoint certificate cost: a training step with and
-without the fingerprint, side by side in one process ([Note: exact fingerprints] in
-recover_hsdp/recovery/fingerprint.py, [Note: divergence votes] in manager/divergence.py).
+"""What the divergence vote, the gradient audit and the checkpoint certificate cost: a training
+step with and without each, side by side in one process ([Note: exact fingerprints] in
+recover_hsdp/recovery/fingerprint.py, [Note: divergence votes] in manager/divergence.py,
+[Note: gradient audits] in manager/audits.py).
 
 One process builds TorchTitan's Llama 3 (``recover_llama3``, a flavor given by ``--flavors``),
 then times, in interleaved pairs on the same model, optimizer and data:
@@ -8,6 +9,10 @@ then times, in interleaved pairs on the same model, optimizer and data:
   without   forward + backward of ``--microbatches`` microbatches + AdamW step (the step's work);
   with      the same, then ``parameter_fingerprint`` (what every voting step adds per rank: the
             vote itself rides in the totals all-reduce the step makes anyway);
+  audit     the same as without, then what an audit step adds on a replica that is audited and
+            audits another: 2 more forward + backward of one microbatch, each gradient's
+            statistics (sum, sum of |g|, sum of g^2 in float64) taken and the gradient dropped
+            (in a job the FSDP hook takes them from the bucket; here ``autograd.grad``);
 
 and, separately, the fingerprint alone and ``state_fingerprint`` (parameters + optimizer state:
 what a checkpoint's certificate adds per save). The ratio with / without is the per-step cost
@@ -81,23 +86,41 @@ def measure(flavor: str, pairs: int, microbatches: int, batch: int, seq_len: int
         step()
         parameter_fingerprint(model)
 
+    params_list = [p for p in model.parameters() if p.requires_grad]
+
+    def step_and_audit():
+        step()
+        for _ in range(2):  # the replica's own audited microbatch again, the one it audits
+            tokens = data[0]
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                     tokens[:, 1:].flatten())
+            grads = torch.autograd.grad(loss, params_list)
+            torch.stack([torch.stack([g.sum(dtype=torch.float64),
+                                      torch.linalg.vector_norm(g, 1, dtype=torch.float64),
+                                      torch.linalg.vector_norm(g, 2, dtype=torch.float64).square()])
+                         for g in grads]).sum(dim=0).tolist()
+
     for _ in range(2):  # warm-up: optimizer state, allocator
         step_and_vote()
-    without, with_vote, alone, state = [], [], [], []
-    for index in range(pairs):  # interleaved, the order alternating: drift hits both sides
-        first, second = (step, step_and_vote) if index % 2 == 0 else (step_and_vote, step)
-        a, b = timed(first, device), timed(second, device)
-        without.append(a if first is step else b)
-        with_vote.append(b if first is step else a)
+        step_and_audit()
+    without, with_vote, with_audit, alone, state = [], [], [], [], []
+    sides = [(step, without), (step_and_vote, with_vote), (step_and_audit, with_audit)]
+    for index in range(pairs):  # interleaved, the order rotating: drift hits every side
+        for fn, times in sides[index % 3:] + sides[:index % 3]:
+            times.append(timed(fn, device))
         alone.append(timed(lambda: parameter_fingerprint(model), device))
         state.append(timed(lambda: state_fingerprint(model, [optimizer]), device))
     params = sum(p.numel() for p in model.parameters())
     ratios = [w / o for w, o in zip(with_vote, without)]
+    audit_ratios = [w / o for w, o in zip(with_audit, without)]
     return {
         "flavor": flavor, "params": params, "pairs": pairs, "microbatches": microbatches,
         "batch": batch, "seq_len": seq_len, "device": device,
         "step_s": statistics.median(without), "step_with_vote_s": statistics.median(with_vote),
         "ratio_with_over_without": statistics.median(ratios),
+        "step_with_audit_s": statistics.median(with_audit),
+        "audit_ratio_over_without": statistics.median(audit_ratios),
         "fingerprint_s": statistics.median(alone),
         "fingerprint_over_step": statistics.median(alone) / statistics.median(without),
         "state_fingerprint_s": statistics.median(state),
@@ -125,7 +148,9 @@ def main() -> None:
                   f"(ratio {row['ratio_with_over_without']:.4f}); fingerprint "
                   f"{row['fingerprint_s'] * 1e3:.2f} ms = {row['fingerprint_over_step']:.2%} of "
                   f"the step ({row['fingerprint_gb_per_s']:.1f} GB/s); state fingerprint "
-                  f"{row['state_fingerprint_s'] * 1e3:.2f} ms", flush=True)
+                  f"{row['state_fingerprint_s'] * 1e3:.2f} ms; with an audit "
+                  f"{row['step_with_audit_s']:.4f}s (ratio "
+                  f"{row['audit_ratio_over_without']:.3f})", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "rows": rows,

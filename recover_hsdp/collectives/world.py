@@ -34,7 +34,6 @@ Usage (one step; ``world.finish()`` once at the end of the job):
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import NoReturn
@@ -216,23 +215,32 @@ class FaultTolerantWorld(GuardedCalls):
 
     # -- leaving ----------------------------------------------------------------------------------
     def retire(self, message: str = "") -> NoReturn:
-        """Leave the job after ``consensus`` returned ``retire=True``: log one line and exit 0.
+        """Leave the job after ``consensus`` returned ``retire=True``: log one line and end.
 
-        [Note: exiting without Finalize] MPI_Finalize after failures hangs on this stack, so the process
-        exits with os._exit(0) without it. It first waits ``Deadlines.retire_grace_s``: an immediate
-        exit made a slower peer, still finishing the last agreement, see a new failure.
+        [Note: exiting without Finalize] MPI_Finalize after failures hangs on this stack, so a
+        process never calls it; and a process that leaves while the job goes on ends by SIGKILL
+        (``guard.die``), never by an exit without Finalize: PRRTE 3.0 tolerates any number of
+        ranks killed by a signal, but takes an exit without Finalize (status 0 included) for an
+        improper exit, and after a spawned rank was killed by a signal that can end the whole
+        job (measured, tests/collectives/test_leaving.py: spawned rank A SIGKILLed, then
+        spawned rank B's spawner SIGKILLed and B's ``os._exit(0)``: prterun reported B's
+        improper exit in 9 of 9 runs and killed other ranks in 2; with B SIGKILLing itself, 0
+        of 6). The soak of issue 32 lost 177 steps to it (a replacement's spawner died while
+        it started; the replacement gave up, exited 0, prterun ended the job and the relaunch
+        tier started again from step 0). Only the end of a run exits (every rank at once, after
+        the last agreement). A retiring rank first waits
+        ``Deadlines.retire_grace_s``: an immediate end made a slower peer, still finishing the
+        last agreement, see a new failure.
         """
         if not self.retired:
             raise RuntimeError("retire() called but consensus did not ask this rank to retire")
         print(f"RETIRE rank {self.world_rank} (replica {self.replica}, shard {self.shard}): replica "
-              f"{self.replica} lost a rank; retiring at epoch {self.epoch}, exit 0"
+              f"{self.replica} lost a rank; retiring at epoch {self.epoch}, SIGKILL"
               + (f": {message}" if message else ""), flush=True)
         self._left()
         self._guard.close()
         time.sleep(self.deadlines.retire_grace_s)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        die(f"rank {self.world_rank}: retired ([Note: exiting without Finalize])")
 
     def finish(self) -> bool:
         """End of the job on every surviving rank: agree that all are done, linger, stop the watchdog.

@@ -8,6 +8,8 @@
   totals.py         ``StepTotals``: the step's sums across ranks, one all-reduce; the measured
                     speeds to the policy ([Note: straggler quotas])
   culprits.py       ``Culprits``: [Note: bad replicas], non-finite contributions absorbed
+  audits.py         ``Audits``: [Note: gradient audits], a microbatch computed again by
+                    another replica, a pair that differs settled by a third
   divergence.py     ``diverged_replicas``: [Note: divergence votes], a strict majority of
                     replicas' parameter fingerprints sends the others away
   certify.py        ``Certifier``: [Note: certified checkpoints], saves certified by a vote,

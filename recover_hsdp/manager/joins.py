@@ -6,7 +6,6 @@ tests/manager/test_join_interface.py checks that both keep the protocol's method
 
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol
 
 
@@ -81,5 +80,9 @@ class CollectiveJoins:
 
     @staticmethod
     def exit_newcomer() -> None:
-        """An aborted join ends the newcomer (exit 0: mpirun must not end the job for it)."""
-        os._exit(0)
+        """An aborted join ends the newcomer by SIGKILL, not by an exit: after another spawned
+        rank was killed, an exit without Finalize ends the whole job ([Note: exiting without
+        Finalize] in collectives/world.py)."""
+        from recover_hsdp.collectives.guard import die
+
+        die("newcomer: join aborted, leaving ([Note: exiting without Finalize])")

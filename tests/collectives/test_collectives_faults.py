@@ -91,7 +91,7 @@ def check(sc: Scenario, job) -> dict:
         assert failed[0]["step"] == 1, where
         if rank in dead_ranks:
             assert res["status"] == "retired" and failed[0]["retire"], where
-            assert re.search(rf"RETIRE rank {rank} \(replica {rank // sc.S}, .*exit 0", job.output), where
+            assert re.search(rf"RETIRE rank {rank} \(replica {rank // sc.S}, .*SIGKILL", job.output), where
         else:
             assert res["status"] == "finished" and not failed[0]["retire"], where
             # every step committed once, and after the failure the reduce is exactly the sum over the
