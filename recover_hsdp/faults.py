@@ -2,9 +2,9 @@
 
 Faults come from ``[recover.faults]`` (``inject``: specs separated by ";") or the launcher's
 repeatable ``--fault replica=R,step=N,phase=P[,rank=K][,mode=M][,bucket=B][,at=A]`` (M in
-sigkill|exit|hang|stop|raise|busy|nan|inf_loss|slow|bitflip|corrupt; A, for phase=consensus
-only, where inside the consensus: consensus (before the agreement, the default), shrink,
-rebuild, agree-membership),
+sigkill|exit|hang|stop|raise|busy|nan|inf_loss|slow|bitflip|update_bitflip|corrupt; A, for
+phase=consensus only, where inside the consensus: consensus (before the agreement, the
+default), shrink, rebuild, agree-membership),
 plus an optional paper-like schedule (:func:`failure_schedule`): one failure every ``every``
 steps at a seeded random step inside each interval, ``max_failures`` in all, each of a mode
 drawn from ``modes``; its victim is drawn when the step is planned, among the replicas alive
@@ -30,8 +30,11 @@ Faults that do not end the rank ([Note: bad replicas] in manager/culprits.py):
   before the fault fired (measured by the manager: its own work, without waits).
 * ``mode=bitflip`` (phase optimizer): right after step N's update, bit ``bit=K`` (default 20, a
   float32 mantissa bit) of element ``element=E`` (default 0) of this rank's parameter shard is
-  flipped: the replica's state silently differs from the others' and stays finite
-  ([Note: divergence votes] in manager/divergence.py finds it).
+  flipped: the replica's state silently differs from the others' and stays finite, at rest
+  (a flipped bit in memory: the replica's own fingerprint taken right after its update sees
+  it, [Note: divergence votes] in manager/divergence.py). ``mode=update_bitflip``: the same
+  flip inside the update, before that fingerprint (an optimizer whose arithmetic was wrong):
+  only the vote among replicas sees it.
 * ``mode=corrupt`` (phase forward): from step N on, every backward of the replica (each of its
   ranks) computes its gradient scaled by ``factor=F`` (default 1.001) while the loss it reports
   stays right: wrong but finite, every step, in every computation of that replica, audits
@@ -72,6 +75,7 @@ class Mode(str, enum.Enum):
     INF_LOSS = "inf_loss"  # NOT a death: the replica's loss of that step is +inf
     SLOW = "slow"        # NOT a death: ``seconds`` extra per microbatch from that step on
     BITFLIP = "bitflip"  # NOT a death: one bit of the parameter shard flipped after the update
+    UPDATE_BITFLIP = "update_bitflip"  # NOT a death: the same, inside the update
     CORRUPT = "corrupt"  # NOT a death: every gradient of the replica scaled by ``factor`` from N on
 
 
@@ -151,7 +155,8 @@ class FaultSpec:
 
 #: The phase a fault that does not end the rank must fire at (inf_loss: any).
 _BAD_REPLICA_PHASES = {Mode.NAN: (Phase.GRAD_SYNC,), Mode.SLOW: (Phase.FORWARD,),
-                       Mode.BITFLIP: (Phase.OPTIMIZER,), Mode.CORRUPT: (Phase.FORWARD,)}
+                       Mode.BITFLIP: (Phase.OPTIMIZER,), Mode.UPDATE_BITFLIP: (Phase.OPTIMIZER,),
+                       Mode.CORRUPT: (Phase.FORWARD,)}
 
 
 def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
@@ -163,9 +168,10 @@ def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
         raise ConfigError(f"--fault {text!r}: seconds must be >= 0 for mode=slow")
     if spec.steps and spec.mode is not Mode.SLOW:
         raise ConfigError(f"--fault {text!r}: steps=K is for mode=slow only; drop it")
-    flips = spec.mode is Mode.BITFLIP
+    flips = spec.mode in FLIPS
     if (spec.element, spec.bit) != (0, 20) and not flips:
-        raise ConfigError(f"--fault {text!r}: element=E and bit=K are for mode=bitflip only")
+        raise ConfigError(f"--fault {text!r}: element=E and bit=K are for mode=bitflip or "
+                          "update_bitflip only")
     if flips and (spec.element < 0 or not 0 <= spec.bit < 64):
         raise ConfigError(f"--fault {text!r}: mode=bitflip needs element >= 0 and bit in "
                           "0..63 (within the element's word, e.g. 0..31 for float32)")
@@ -179,9 +185,12 @@ def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
                           "(2: every microbatch twice as long)")
 
 
+#: The bit flips (fired at the optimizer's points that pass ``updated``).
+FLIPS = (Mode.BITFLIP, Mode.UPDATE_BITFLIP)
+
 #: The modes a schedule may draw (slow and busy are not failures of one step).
 SCHEDULE_MODES = (Mode.SIGKILL, Mode.EXIT, Mode.HANG, Mode.STOP, Mode.RAISE, Mode.NAN,
-                  Mode.INF_LOSS, Mode.BITFLIP, Mode.CORRUPT)
+                  Mode.INF_LOSS, Mode.BITFLIP, Mode.UPDATE_BITFLIP, Mode.CORRUPT)
 
 
 @dataclass(frozen=True)
@@ -253,11 +262,14 @@ class FaultInjector:
     def at(self, step: int, phase: Phase, bucket: int | None = None,
            buckets_total: int | None = None, point: ConsensusPoint | None = None,
            tensors: tuple = (), last_microbatch_s: float | None = None,
-           updated=None, microbatch: int | None = None, alive=None) -> None:
+           updated=None, microbatch: int | None = None, alive=None,
+           inside_update: bool = False) -> None:
         """``tensors``: what a ``mode=nan`` fault poisons (a bucket and its snapshot);
         ``last_microbatch_s``: this rank's last microbatch (the base of ``mode=slow,times=F``);
         ``updated``: given at the point right after the update, ``updated(element, bit)`` flips
-        a bit of the shard (``mode=bitflip`` fires only there, nothing else does); ``alive``:
+        a bit of the shard (``mode=bitflip`` fires only there, nothing else does; with
+        ``inside_update``, the point before the replica's own post-update fingerprint, only
+        ``mode=update_bitflip`` does); ``alive``:
         the plan point's replicas alive at the step, among which the schedule draws."""
         if alive is not None and step in self.schedule:
             drawn = self.schedule.pop(step)
@@ -266,7 +278,9 @@ class FaultInjector:
         for spec in self.mine:
             if spec.phase != phase or not spec.covers(step):
                 continue
-            if (spec.mode is Mode.BITFLIP) != (updated is not None):
+            if (spec.mode in FLIPS) != (updated is not None):
+                continue
+            if updated is not None and (spec.mode is Mode.UPDATE_BITFLIP) != inside_update:
                 continue
             if updated is not None:
                 self._record(spec)

@@ -167,6 +167,7 @@ class RecoverManager:
         self._contract_checked = False
         self._current_step = 0
         self._decided_at = 0.0
+        self._rest_fingerprint: int | None = None  # [Note: divergence votes], at rest
         self.emergency_checkpoint = False  # [Note: emergency checkpoint]
         self._emergency_on = tiers.emergency_checkpoint
         self._emptied_hosts: set[str] = set()  # since the last emergency checkpoint
@@ -479,9 +480,7 @@ class RecoverManager:
             self.replica_error(step, "optimizer: " + one_line(err))
         if not math.isfinite(grad_norm):
             return None
-        self.phases.point(step, Phase.OPTIMIZER,  # after the update: mode=bitflip
-                          updated=lambda element, bit: flip_bit(work.parameter_shards(),
-                                                                element, bit))
+        self._after_update(step, work)
         self.policy.commit(plan)
         observe_speeds(self.policy, self.outputs, step, plan, totals.compute_s)
         self.rejoin.agree_totals(totals.join_requests, totals.join_ready, totals.join_failed)
@@ -517,13 +516,32 @@ class RecoverManager:
         state.audit_culprits, state.audit = found
         return not state.audit_culprits
 
+    def _after_update(self, step: int, work: StepWork) -> None:
+        """Right after the update: the fingerprint this rank's next vote must find again if
+        nothing changed its parameters at rest ([Note: divergence votes]); the fault points
+        around it (``mode=update_bitflip`` before it, ``mode=bitflip`` after it)."""
+        flip = lambda element, bit: flip_bit(work.parameter_shards(), element, bit)  # noqa: E731
+        self.phases.point(step, Phase.OPTIMIZER, updated=flip, inside_update=True)
+        if self._votes_at(step + 1):
+            self._rest_fingerprint = self.parameter_fingerprint()
+        self.phases.point(step, Phase.OPTIMIZER, updated=flip)
+
+    def _votes_at(self, step: int) -> bool:
+        interval = self.consistency_check_interval
+        return self.parameter_fingerprint is not None and interval > 0 and step % interval == 0
+
     def _fingerprint(self, state: StepState) -> int | None:
         """This rank's parameter fingerprint for the step's vote, taken once per voting step
-        (before the update; a rereduce sums it again): [Note: divergence votes]."""
-        interval = self.consistency_check_interval
-        if (state.fingerprint is None and self.parameter_fingerprint is not None
-                and interval > 0 and self._current_step % interval == 0):
+        (before the update; a rereduce sums it again): [Note: divergence votes]. Parameters
+        that differ from this rank's own fingerprint right after its last update changed at
+        rest (a flipped bit in memory): this rank leaves at once, no vote needed."""
+        if state.fingerprint is None and self._votes_at(self._current_step):
             state.fingerprint = self.parameter_fingerprint()
+            rest, self._rest_fingerprint = self._rest_fingerprint, None
+            if rest is not None and rest != state.fingerprint:
+                self.replica_error(self._current_step, f"diverged: this rank's parameters changed "
+                                   f"at rest since its own update (fingerprint {rest:016x} -> "
+                                   f"{state.fingerprint:016x}) ([Note: divergence votes])")
         return state.fingerprint
 
     def _diverged(self, step: int, totals: StepTotals) -> tuple[int, ...]:

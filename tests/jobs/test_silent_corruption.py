@@ -16,7 +16,8 @@ from recover_hsdp import certificates
 from recover_hsdp.collectives.processes import read_registry
 
 STEPS = 10
-BITFLIP = "phase=optimizer,mode=bitflip"
+BITFLIP = "phase=optimizer,mode=bitflip"  # at rest: the replica's own check sees it
+UPDATE_BITFLIP = "phase=optimizer,mode=update_bitflip"  # inside the update: only the vote does
 
 
 def _train(out, replicas, *extra, faults=(), steps=STEPS, ok=True):
@@ -49,23 +50,26 @@ def _corrupt(folder: Path) -> None:
 def test_a_bitflip_a_nan_and_a_wrong_backward_in_a_4x1_job(tmp_path, failure_free):
     """4 x 1, gradients audited every step: replica 1's first bucket turns NaN before its
     reduce at step 3 (excluded for that step: [Note: bad replicas]); replica 2 flips bit 20 of
-    one parameter after step 5's update: step 6's vote (3 against 1) sends it away before step
+    one parameter inside step 5's update: step 6's vote (3 against 1) sends it away before step
     6's update, so nothing it computed from the flipped state is committed; from step 7 replica
     3's every gradient is 1.001 x right, its loss right: the audits of steps 7 and 8 (its pairs
-    settled by a third) exclude it, step 9's retires it ([Note: gradient audits]). B = 4
-    measured every step, the loss equals the failure-free run's at every step.
+    settled by a third) exclude it, step 9's retires it ([Note: gradient audits]); replica 1's
+    bit flips at rest after step 9's update: its own check sees it at step 10 and it leaves,
+    though only 2 replicas were left to vote. B = 4 measured every step, the loss equals the
+    failure-free run's at every step.
     Real process: the flip in the real FSDP2 parameter, the fingerprints in the real MPI totals
     all-reduce, the culprit's rank ending itself, ULFM shrinking around it; FSDP2's real
     reduce-scatter buffer poisoned and restored, TorchTitan's clip_grad_norm_ (DTensor) seeing
     the NaN on every rank, the MPI agreement on the culprit; the audits' passes through the
     real FSDP2 hooks, their third computation in a real MPI all-reduce."""
     _train(tmp_path, 4, "--recover.bad_replicas.audit_interval", "1",
-           faults=["replica=1,step=3,phase=grad_sync,mode=nan", f"replica=2,step=5,{BITFLIP}",
-                   "replica=3,step=7,phase=forward,mode=corrupt"])
+           faults=["replica=1,step=3,phase=grad_sync,mode=nan",
+                   f"replica=2,step=5,{UPDATE_BITFLIP}",
+                   "replica=3,step=7,phase=forward,mode=corrupt", f"replica=1,step=9,{BITFLIP}"])
     steps = read_jsonl(tmp_path / "metrics.jsonl")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert [s["reduced_microbatches"] for s in steps] == [4] * STEPS
-    assert [s["alive_replicas"] for s in steps] == [4] * 5 + [3] * 3 + [2] * 2
+    assert [s["alive_replicas"] for s in steps] == [4] * 5 + [3] * 3 + [2, 1]
     assert [s["audit"]["culprits"] for s in steps] == [[]] * 6 + [[3]] * 3 + [[]]
     assert all(s["audit"]["max_rel_diff"] == 0 for s in steps[:6] + steps[9:])
     audits = _events(tmp_path, "audit")
@@ -83,11 +87,14 @@ def test_a_bitflip_a_nan_and_a_wrong_backward_in_a_4x1_job(tmp_path, failure_fre
     assert "2" not in {r for r, w in ledger[5]["replicas"].items() if w["committed"]}
     assert all("3" not in {r for r, w in entry["replicas"].items() if w["committed"]}
                for entry in ledger[6:])  # nothing of the wrong backward committed
-    death, retired = [e for e in read_jsonl(tmp_path / "events.jsonl") if "dead_replicas" in e]
+    death, retired, at_rest = [e for e in read_jsonl(tmp_path / "events.jsonl")
+                               if "dead_replicas" in e]
     assert death["step"] == 6 and death["dead_replicas"] == [2]
     assert "diverged" in death["errors"]["2"][0]
     assert retired["step"] == 9 and retired["dead_replicas"] == [3]
     assert "audited gradients that differ" in retired["errors"]["3"][0]
+    assert at_rest["step"] == 10 and at_rest["dead_replicas"] == [1]
+    assert "changed at rest" in at_rest["errors"]["1"][0]
     assert [p.pid for p in read_registry(tmp_path) if p.state() is not None] == []
     no_step_waited_for_a_deadline(steps)
 
@@ -132,7 +139,7 @@ def test_bitflipped_replica_comes_back_fresh(tmp_path, local_corpus):
     steps_n = 40
     _train(tmp_path / "ref", 4, steps=steps_n)
     _train(tmp_path / "run", 4, "--recover.tiers.respawn_after_steps", "2", steps=steps_n,
-           faults=[f"replica=2,step=3,{BITFLIP}"])
+           faults=[f"replica=2,step=3,{UPDATE_BITFLIP}"])
     steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     reference = read_jsonl(tmp_path / "ref" / "metrics.jsonl")
     assert [s["reduced_microbatches"] for s in steps] == [4] * steps_n
@@ -165,7 +172,7 @@ def test_two_replicas_that_diverge_go_back_to_a_certified_checkpoint(tmp_path, l
     watcher = threading.Thread(target=corrupt_step_2, daemon=True)
     watcher.start()
     result = _train(tmp_path / "run", 2, *_checkpoint(ckpt, 1),
-                    faults=[f"replica=1,step=3,{BITFLIP}"])
+                    faults=[f"replica=1,step=3,{UPDATE_BITFLIP}"])
     stop.set()
     steps = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
@@ -180,7 +187,7 @@ def test_two_replicas_that_diverge_go_back_to_a_certified_checkpoint(tmp_path, l
     assert len(lines) == 1 and "checkpoint step-2 refused: does not" in lines[0], lines
 
     stopped = _train(tmp_path / "off", 2, "--recover.tiers.max_relaunches", "0",
-                     faults=[f"replica=1,step=3,{BITFLIP}"], ok=False)
+                     faults=[f"replica=1,step=3,{UPDATE_BITFLIP}"], ok=False)
     assert stopped.returncode != 0
     lines = [x for x in stopped.stderr.splitlines() if x.startswith("recover-hsdp: no relaunch")]
     assert len(lines) == 1 and "step 4: refusing to commit" in lines[0], stopped.stderr[-2000:]

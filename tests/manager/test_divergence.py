@@ -120,40 +120,65 @@ def _events(tmp_path, phase):
     return [e for e in lines if e.get("phase") == phase]
 
 
-@pytest.mark.parametrize("shards", [1, 2])
-def test_bitflip_replica_leaves_before_anything_it_computed_is_committed(tmp_path, shards):
-    """4 x S, G=2: replica 2 (shard 0) flips one mantissa bit after step 3's update. Step 4's
-    vote finds it (3 against 1): replica 2's ranks leave before step 4's update, step 4 commits
-    B = 8 from the others (the oracle's gradient, exactly), the survivors end bit-identical."""
+@pytest.mark.parametrize("shards,mode", [(1, "update_bitflip"), (2, "update_bitflip"),
+                                         (1, "bitflip"), (2, "bitflip")])
+def test_bitflip_replica_leaves_before_anything_it_computed_is_committed(tmp_path, shards, mode):
+    """4 x S, G=2: replica 2 (shard 0) flips one mantissa bit inside (``update_bitflip``) or
+    after (``bitflip``, at rest) step 3's update. Step 4's vote finds the first (3 against 1),
+    the rank's own at-rest check the second: replica 2's ranks leave before step 4's update,
+    step 4 commits B = 8 from the others (the oracle's gradient, exactly), the survivors end
+    bit-identical."""
     hub, results = run_job(tmp_path, replicas=4, g=2, steps=6, shards=shards,
                            work_class=ParamWork, manager_kwargs=_vote_kwargs,
-                           faults=["replica=2,step=3,phase=optimizer,mode=bitflip,rank=0,bit=3"])
-    killed = [(2, s) for s in range(shards)]
-    works = values_of(results, killed=killed)
+                           faults=[f"replica=2,step=3,phase=optimizer,mode={mode},rank=0,bit=3"])
+    if mode == "update_bitflip":  # the vote: every rank of replica 2 leaves
+        works = values_of(results, killed=[(2, s) for s in range(shards)])
+    else:  # its own check: the flipped rank leaves, its peer retires with it (a unit)
+        works = values_of(results, killed=[(2, 0)], retired=[(2, s) for s in range(1, shards)])
     assert sorted(works) == [(r, s) for r in (0, 1, 3) for s in range(shards)]
     ledger = check_against_oracle(tmp_path, works, 4, 6, b=8)
     assert [len(e.alive) for e in ledger] == [4, 4, 4, 3, 3, 3]
     assert 2 not in ledger[3].committed
-    (event,) = _events(tmp_path, "diverged")
-    assert event["step"] == 4 and event["diverged"] == [2]
+    events = _events(tmp_path, "diverged")
+    if mode == "update_bitflip":
+        assert [(e["step"], e["diverged"]) for e in events] == [(4, [2])]
+    else:  # no vote needed: the flipped rank saw it changed at rest
+        assert events == []
     for shard in range(shards):
         params = [works[(r, shard)].params for r in (0, 1, 3)]
         assert all(torch.equal(a, b) for p in params[1:] for a, b in zip(params[0], p))
     reasons = [json.loads(p.read_text())["reason"] for p in (tmp_path / "errors").glob("*.json")]
-    assert len(reasons) == shards and all("diverged" in r for r in reasons)
+    assert any("diverged" in r for r in reasons), reasons
+    if mode == "bitflip":
+        assert any("changed at rest" in r for r in reasons), reasons
 
 
 def test_two_replicas_that_differ_refuse_the_step_on_both(tmp_path):
-    """2 x 1: nothing says which replica is right, so step 4 is refused on both ranks with the
-    same one line and nothing is updated from the diverged state."""
+    """2 x 1, a flip inside replica 1's update: nothing says which replica is right, so step 4
+    is refused on both ranks with the same one line and nothing is updated from the diverged
+    state."""
     hub, results = run_job(tmp_path, replicas=2, g=2, steps=6, work_class=ParamWork,
                            manager_kwargs=_vote_kwargs,
-                           faults=["replica=1,step=3,phase=optimizer,mode=bitflip"])
+                           faults=["replica=1,step=3,phase=optimizer,mode=update_bitflip"])
     first = next(e for e in results.values() if isinstance(e, NoMajority))
     message = str(first)  # the other rank raises the same, or is released by the fake's break
     assert message.startswith("step 4: refusing to commit") and "replicas 0 | 1" in message
     assert "\n" not in message
     assert all(isinstance(e, Exception) and message in str(e) for e in results.values())
+
+
+def test_two_replicas_a_flip_at_rest_is_settled_by_the_flipped_rank(tmp_path):
+    """2 x 1, a flip at rest in replica 1 after step 3's update: no vote could say which is
+    right, but replica 1's own check sees its bits changed since its update: it leaves at step
+    4, replica 0 commits B = 4 alone (the oracle's gradient) to the end."""
+    hub, results = run_job(tmp_path, replicas=2, g=2, steps=6, work_class=ParamWork,
+                           manager_kwargs=_vote_kwargs,
+                           faults=["replica=1,step=3,phase=optimizer,mode=bitflip"])
+    works = values_of(results, killed=[(1, 0)])
+    ledger = check_against_oracle(tmp_path, works, 2, 6, b=4)
+    assert [len(e.alive) for e in ledger] == [2, 2, 2, 1, 1, 1]
+    (reason,) = [json.loads(p.read_text())["reason"] for p in (tmp_path / "errors").glob("*")]
+    assert "changed at rest" in reason
 
 
 def test_a_mixed_schedule_draws_its_victims_among_the_alive(tmp_path):
@@ -179,7 +204,9 @@ def test_a_mixed_schedule_draws_its_victims_among_the_alive(tmp_path):
     assert sorted(works) == [(0, 0)]
     check_against_oracle(tmp_path, works, 4, steps, b=8)
     assert [len(e["replicas"]) for e in ledger] == [4, 4, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1]
-    (vote,) = _events(tmp_path, "diverged")
-    assert vote["step"] == 3 and vote["diverged"] == [fired[0]["replica"]]
+    assert _events(tmp_path, "diverged") == []  # the flip at rest: its own check, no vote
+    deaths = [e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())
+              if "dead_replicas" in e]
+    assert (deaths[0]["step"], deaths[0]["dead_replicas"]) == (3, [fired[0]["replica"]])
     (nan,) = _events(tmp_path, "nonfinite")
     assert nan["step"] == 7 and list(nan["culprits"]) == [str(fired[1]["replica"])]
