@@ -9,7 +9,12 @@ held by ranks it is not a part of stops (its ranks retire). A repair with one si
 always wins; a later round of the same repair (a further death) finds its own side's
 claim. A side holding fewer than half of the replicas alive before (or exactly half,
 without the lowest one) claims ``claim_delay_s`` later, so the larger side wins the
-race. Without a shared folder (``arbiter_dir`` None) every side goes on.
+race. Without a shared folder (``arbiter_dir`` None) every side goes on; with one that cannot
+be reached, a majority side goes on and a minority side stops (so that two sides never both
+go on for want of the folder). A claim's file name carries a digest of the alive replicas,
+not their list (a list of 79 replicas or more passed the 255-byte limit of a file name: the
+chaos simulation of issue 34 found every cut link past 632 GPUs answered "go on"); the list
+itself is in the file.
 
 Standard library only: the repair (``repair.py``) asks it on the first rank of each side and
 broadcasts the answer over that side's shrunk communicator.
@@ -17,6 +22,7 @@ broadcasts the answer over that side's shrunk communicator.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable, Collection
@@ -64,13 +70,17 @@ class SplitBrainArbiter:
             self.sleep(delay)
         try:
             return self._take(epoch, old_alive, members, rank)
-        except OSError as err:  # no arbiter reachable: go on (as without one)
-            self.log(f"rank {rank}: arbiter folder {self.folder}: {err}; going on")
-            return True
+        except OSError as err:  # no arbiter reachable: a majority goes on, a minority stops
+            goes_on = delay == 0
+            self.log(f"rank {rank}: arbiter folder {self.folder}: {err}; "
+                     + ("going on (a majority side)" if goes_on else "stopping (a minority side)"))
+            return goes_on
 
     def claim_path(self, epoch: int, old_alive: tuple[int, ...]) -> str:
-        """The file that claims the transition out of (``epoch``, ``old_alive``)."""
-        return os.path.join(self.folder, f"epoch{epoch}-alive{'-'.join(map(str, old_alive))}.json")
+        """The file that claims the transition out of (``epoch``, ``old_alive``): a fixed-length
+        name whatever the number of replicas."""
+        digest = hashlib.sha256(",".join(map(str, old_alive)).encode()).hexdigest()[:24]
+        return os.path.join(self.folder, f"epoch{epoch}-alive{len(old_alive)}-{digest}.json")
 
     def _take(self, epoch: int, old_alive: tuple[int, ...], members: set[int], rank: int) -> bool:
         os.makedirs(self.folder, exist_ok=True)

@@ -45,7 +45,7 @@ def test_majority_side_claims_at_once_and_wins(tmp_path):
     assert claim(arb, {0, 1})
     assert rec.slept == []
     path = Path(arb.claim_path(0, (0, 1, 2)))
-    assert path.name == "epoch0-alive0-1-2.json"
+    assert path.name.startswith("epoch0-alive3-") and path.name.endswith(".json")
     assert path.read_text() == "0 1"
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary file left
 
@@ -90,8 +90,8 @@ def test_a_repair_with_one_side_always_wins(tmp_path):
     assert claim(arb, {0, 1}, old_alive=(0, 1, 2))  # replica 2 died
     assert claim(arb, {1}, epoch=1, old_alive=(0, 1))  # then replica 0: half, without the lowest
     assert rec.slept == [10.0]  # a lone minority waits, then claims unopposed
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch0-alive0-1-2.json",
-                                                          "epoch1-alive0-1.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        Path(arb.claim_path(e, alive)).name for e, alive in ((0, (0, 1, 2)), (1, (0, 1))))
 
 
 def test_claims_of_different_transitions_do_not_meet(tmp_path):
@@ -110,13 +110,26 @@ def test_side_is_the_replicas_members_are_the_ranks(tmp_path):
     assert Path(arb.claim_path(0, (0, 1, 2))).read_text() == "0 1 2 3"
 
 
-def test_unreachable_folder_goes_on_with_one_log_line(tmp_path):
+def test_unreachable_folder_a_majority_goes_on_a_minority_stops(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     arb, rec = arbiter(blocker / "membership")  # its parent is not a folder
-    assert claim(arb, {2})
+    assert not claim(arb, {2})  # a minority side: never two sides going on for want of it
     assert rec.slept == [10.0]  # the head start comes before the folder is tried
-    assert len(rec.lines) == 1 and "going on" in rec.lines[0] and "rank 2" in rec.lines[0]
+    assert len(rec.lines) == 1 and "stopping" in rec.lines[0] and "rank 2" in rec.lines[0]
+    assert claim(arb, {0, 1})
+    assert len(rec.lines) == 2 and "going on" in rec.lines[1]
+
+
+def test_a_claim_of_many_replicas_fits_a_file_name(tmp_path):
+    """125,000 replicas (1M GPUs): the name is a digest, the members are in the file; two
+    different alive sets of one epoch claim two files."""
+    arb, rec = arbiter(tmp_path)
+    many = tuple(range(125_000))
+    assert arb.claim(3, many, set(range(1, 125_000)), set(range(1, 125_000)), rank=1)
+    assert len(Path(arb.claim_path(3, many)).name) < 80
+    assert arb.claim_path(3, many) != arb.claim_path(3, many[1:])
+    assert rec.lines == []
 
 
 def test_real_race_between_two_sides(tmp_path):
