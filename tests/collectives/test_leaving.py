@@ -21,6 +21,7 @@ def test_a_spawned_rank_that_gives_up_leaves_by_sigkill_and_the_job_goes_on(tmp_
     assert "improperly" not in job.output, job.output[-3000:]
 
 
+@pytest.mark.slow  # default suite time: Open MPI's reaction, not the project's
 @pytest.mark.timeout(120)
 def test_an_exit_without_finalize_there_is_an_improper_exit_to_prterun(tmp_path):
     job = run_mpi(3, "spawned_departure.py", [str(tmp_path), "exit"], tmp_path, timeout_s=90)

@@ -60,7 +60,9 @@ def test_exact_mode_two_deaths_stays_on_failure_free_trajectory(tmp_path, failur
     assert summary["alive_replicas"] == 2
 
 
-
+@pytest.mark.slow  # default suite time (61 s): the policy's roles for fewer replicas than
+# initial_replicas are in process (tests/workload/, tests/manager/), the relaunch's overrides in
+# tests/cli/test_attempts.py; the cluster relaunch onto 2 of 3 runs in the slow part too
 def test_a_run_launched_below_its_initial_replicas_keeps_b(tmp_path, failure_free):
     """[Note: the relaunch keeps B] (what a relaunch onto fewer replicas runs): 3 replicas
     launched with recover.initial_replicas = 4 commit B = 4 every step with the policy's roles for
