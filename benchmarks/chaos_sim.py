@@ -235,10 +235,10 @@ def findings(rows: list[dict]) -> dict:
     per_w2 = costs[1250] / 1250 ** 2
     return {
         "arbiter_claim_fails_from_replicas": first_fail,
-        "arbiter_note": "SplitBrainArbiter.claim_path puts the whole alive list in one file "
-                        "name; from this many replicas the name passes 255 bytes, the claim "
-                        "raises ENAMETOOLONG, and claim() returns True on every side (split "
-                        "brain); runs above count it as split_brain",
+        "arbiter_note": "the first replica count (2-999) at which both sides of a partition "
+                        "go on (a claim that cannot be written); None: none. Until e08bed4 "
+                        "claim_path held the whole alive list and from 79 replicas the name "
+                        "passed 255 bytes (ENAMETOOLONG: every side went on)",
         "observe_speeds_s": {str(w): round(c, 4) for w, c in costs.items()},
         "observe_speeds_extrapolated_s": {str(w): round(per_w2 * w * w, 1)
                                           for w in (12_500, 125_000)},
