@@ -78,13 +78,18 @@ class AuditPair:
     data: DataRef
 
 
+def _free_spares(plan: StepPlan) -> list[int]:
+    """Alive replicas that commit nothing and are not an excluded culprit, sorted: the
+    auditors and third computers asked first."""
+    return sorted(a.replica for a in plan.assignments if not a.committed_ids and not a.excluded)
+
+
 def audit_pairs(plan: StepPlan, step: int, interval: int) -> list[AuditPair]:
     """The pairs of an audit step ([Note: gradient audits] 1): every replica that commits work
     is audited, by a free spare first, else by the previous such replica in a ring; none when
     fewer than 2 replicas are alive."""
-    owners = [a for a in sorted(plan.assignments, key=lambda a: a.replica) if a.committed_ids]
-    spares = [a.replica for a in sorted(plan.assignments, key=lambda a: a.replica)
-              if not a.committed_ids and not a.excluded]
+    owners = sorted((a for a in plan.assignments if a.committed_ids), key=lambda a: a.replica)
+    spares = _free_spares(plan)
     turn = step // max(interval, 1)
     pairs = []
     for index, owner in enumerate(owners):
@@ -135,14 +140,10 @@ def settle(pair: AuditPair, owner: Sequence[float], auditor: Sequence[float],
 
 def third_for(pair: AuditPair, plan: StepPlan, alive: Sequence[int], step: int) -> int | None:
     """Who computes a differing pair's microbatch a third time: an alive replica outside the
-    pair, a spare first, in turn by step; None when there is none."""
-    spares = {a.replica for a in plan.assignments if not a.committed_ids}
-    others = sorted((r for r in alive if r not in (pair.owner, pair.auditor)),
-                    key=lambda r: (r not in spares, r))
-    if not others:
-        return None
-    first_kind = [r for r in others if (r in spares) == (others[0] in spares)]
-    return first_kind[step % len(first_kind)]
+    pair, a free spare first, in turn by step; None when there is none."""
+    others = sorted(r for r in alive if r not in (pair.owner, pair.auditor))
+    pool = [r for r in _free_spares(plan) if r in others] or others
+    return pool[step % len(pool)] if pool else None
 
 
 class Audits:
@@ -189,14 +190,12 @@ class Audits:
         consensus repairs first, then the step is checked again). Raises ``NoMajority`` when a
         pair differs and nothing settles it. Pairs with a member no longer alive are skipped."""
         alive = self.world.alive_replicas
-        checked, differ, worst = [], [], 0.0
-        for pair in pairs:
-            if pair.owner not in alive or pair.auditor not in alive:
-                continue
+        checked = [p for p in pairs if p.owner in alive and p.auditor in alive]
+        differ, worst = [], 0.0
+        for pair in checked:
             own, audit = self._own(summed, pair.owner), self._audit(summed, pair.auditor)
             difference = relative_difference(own, audit)
             worst = max(worst, difference)
-            checked.append(pair)
             if difference > self.tolerance:
                 differ.append((pair, own, audit))
         summary = {"pairs": len(checked), "max_rel_diff": worst, "culprits": []}
