@@ -159,6 +159,9 @@ _BAD_REPLICA_PHASES = {Mode.NAN: (Phase.GRAD_SYNC,), Mode.SLOW: (Phase.FORWARD,)
                        Mode.CORRUPT: (Phase.FORWARD,)}
 
 
+#: The bit flips (fired at the optimizer's points that pass ``updated``).
+FLIPS = (Mode.BITFLIP, Mode.UPDATE_BITFLIP)
+
 def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
     phases = _BAD_REPLICA_PHASES.get(spec.mode)
     if phases and spec.phase not in phases:
@@ -184,9 +187,6 @@ def _check_bad_replica_mode(text: str, spec: FaultSpec) -> None:
         raise ConfigError(f"--fault {text!r}: times=F is for mode=slow only, with F >= 1 "
                           "(2: every microbatch twice as long)")
 
-
-#: The bit flips (fired at the optimizer's points that pass ``updated``).
-FLIPS = (Mode.BITFLIP, Mode.UPDATE_BITFLIP)
 
 #: The modes a schedule may draw (slow and busy are not failures of one step).
 SCHEDULE_MODES = (Mode.SIGKILL, Mode.EXIT, Mode.HANG, Mode.STOP, Mode.RAISE, Mode.NAN,
