@@ -257,6 +257,9 @@ class MpiGuard:
         # public: on_hung(reason) on the watchdog thread just before it kills this rank (the
         # manager records where the main thread was: [Note: rank status], recover_hsdp/status.py)
         self.on_hung: Callable[[str], None] | None = None
+        # public: on_blocked(now) on the watchdog thread at every poll while a guarded call has
+        # waited longer than one poll ([Note: stopped peers outside the detector], processes.py)
+        self.on_blocked: Callable[[float], None] | None = None
         self._thread = threading.Thread(target=self._watch, name="recover-hsdp-watchdog", daemon=True)
         self._thread.start()
 
@@ -339,7 +342,14 @@ class MpiGuard:
     def _watch(self) -> None:
         poll = self.deadlines.effective_poll_s
         while not self._stop.wait(poll):
-            reason = self.verdict(time.monotonic())
+            now = time.monotonic()
+            call = self._call
+            if call is not None and now - call[1] > poll and self.on_blocked is not None:
+                try:
+                    self.on_blocked(now)
+                except Exception as err:  # noqa: BLE001 - a sweep; the deadline still holds
+                    log_line(f"on_blocked failed: {err!r}")
+            reason = self.verdict(now)
             if reason is not None:
                 if self.on_hung is not None:
                     try:

@@ -95,6 +95,42 @@ def kill_local(procs: list[ProcessInfo]) -> list[int]:
     return [p.pid for p in procs if p.kill()]
 
 
+class StoppedPeers:
+    """[Note: stopped peers outside the detector] Open MPI's heartbeat detector watches one ring
+    over the job's original ``MPI_COMM_WORLD`` (``ompi_comm_start_detector`` is not implemented
+    for any other communicator), so a rank that joined later (``MPI_Comm_spawn``: a respawned
+    replica) is never declared dead while it is frozen: a SIGSTOPped replacement keeps its
+    sockets open and its peers wait in their collective until their own call deadline ends
+    them (measured: the whole job, 50 s after the stop, then a relaunch from step 0). A stopped
+    process never moves by itself, and a peer on its host sees it: while a guarded call of a
+    rank waits, its watchdog thread sweeps the job's processes on this host (a read of
+    ``/proc/<pid>/stat`` each, only during a wait longer than one poll) and SIGKILLs one seen
+    stopped (T, t) in every sweep for ``after_s`` (``[recover.timeouts] detect_s``, the
+    detector's own bound); its peers then see an ordinary death. "Every sweep" keeps a process
+    a profiler or debugger stops for a moment (py-spy, gdb) alive. Original ranks are swept too
+    (the detector would declare them dead at the same bound anyway). Limit: a process frozen on
+    a host where no other rank of the job runs, or a spawned rank behind a cut link, is not
+    seen (nothing of the job runs there to look): its peers' call deadline still ends the
+    wait, and the relaunch tier the job (docs/failures.md)."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self._since: dict[ProcessInfo, float] = {}  # seen stopped, from
+        self._last = float("-inf")
+
+    def sweep(self, procs, now: float, contiguous_s: float) -> list[ProcessInfo]:
+        """The processes of ``procs`` on this host (not this one) stopped in every sweep since
+        ``after_s`` ago; a sweep more than ``contiguous_s`` after the previous one starts over
+        (the process may have moved in the gap). Reads ``/proc`` only."""
+        if now - self._last > contiguous_s:
+            self._since = {}
+        self._last = now
+        me = os.getpid()
+        stopped = [p for p in procs if p.pid != me and p.is_frozen()]
+        self._since = {p: self._since.get(p, now) for p in stopped}
+        return [p for p, since in self._since.items() if now - since >= self.after_s]
+
+
 # ---------------------------------------------------------------- start-up records
 
 START_DIR = "start"

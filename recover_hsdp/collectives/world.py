@@ -119,6 +119,10 @@ class FaultTolerantWorld(GuardedCalls):
         # public: on_hung(reason) on the watchdog thread just before it kills this hung rank
         self.on_hung: Callable[[str], None] | None = None
         self._guard.on_hung = lambda reason: self.on_hung and self.on_hung(reason)
+        # public: on_blocked(now) on the watchdog thread while a guarded call waits (the
+        # manager's sweep for stopped peers: [Note: stopped peers outside the detector])
+        self.on_blocked: Callable[[float], None] | None = None
+        self._guard.on_blocked = lambda now: self.on_blocked and self.on_blocked(now)
         self._global: MPI.Comm | None = None
         self._shard: MPI.Comm | None = None
         self._base_group: MPI.Group | None = None

@@ -11,7 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from recover_hsdp.collectives.processes import ProcessInfo, kill_local, write_registry
+from recover_hsdp.collectives.guard import log_line
+from recover_hsdp.collectives.processes import (ProcessInfo, StoppedPeers, kill_local,
+                                                write_registry)
 
 
 class LocalProcesses:
@@ -25,6 +27,28 @@ class LocalProcesses:
     def __init__(self, world, procs: Sequence[ProcessInfo] = ()):
         self.world = world
         self.table: list[ProcessInfo] = list(procs)
+
+    def watch_stopped(self, after_s: float) -> None:
+        """While a guarded call of this rank waits, end the job's processes on this host that
+        stay stopped ``after_s`` ([Note: stopped peers outside the detector] in
+        collectives/processes.py); 0: never. Runs on the world's watchdog thread."""
+        if after_s <= 0:
+            return
+        watch = StoppedPeers(after_s)
+        deadlines = getattr(self.world, "deadlines", None)
+        contiguous_s = 2 * (deadlines.effective_poll_s if deadlines else 1.0) + 1.0
+
+        def on_blocked(now: float) -> None:
+            local = [p for p in self.table if p.is_local()]
+            for proc in watch.sweep(local, now, contiguous_s):
+                if proc.kill():
+                    rank = self.table.index(proc)
+                    log_line(f"world rank {self.world.world_rank}: ended world rank {rank} "
+                             f"(pid {proc.pid}), stopped for {after_s:g} s on this host while "
+                             "this rank waited on it ([Note: stopped peers outside the "
+                             "detector])")
+
+        self.world.on_blocked = on_blocked
 
     def end_failed(self, ranks: list[int]) -> None:
         """Ranks a failed MPI call reported: end at once those frozen on this host. A frozen

@@ -118,6 +118,9 @@ class RecoverManager:
         joins: the join primitives for :class:`Rejoin` (tests: the fake world's).
         status: this rank's ``RankStatus`` ([Note: rank status] in recover_hsdp/status.py): every
             phase point kept current on disk, where a hang was recorded (None: none).
+        stopped_peer_s: while a guarded call waits, a process of the job on this host stopped
+            this long is ended ([Note: stopped peers outside the detector] in
+            collectives/processes.py; ``[recover.timeouts] detect_s``); 0: never.
     """
 
     def __init__(self, *, world, bucket_sync, policy: WorkloadPolicy, faults: FaultInjector,
@@ -125,7 +128,8 @@ class RecoverManager:
                  bad_replicas: BadReplicas | None = None, tiers: Tiers | None = None,
                  parameter_fingerprint: Callable[[], int] | None = None, restart_point: str = "",
                  procs: Sequence[ProcessInfo] = (), die: Callable[[], None] | None = None,
-                 counts_data: bool = True, joins=None, status: RankStatus | None = None):
+                 counts_data: bool = True, joins=None, status: RankStatus | None = None,
+                 stopped_peer_s: float = 0.0):
         bad_replicas = bad_replicas or BadReplicas(consistency_check_interval=0)
         tiers = tiers or Tiers()
         self.world, self.bucket_sync, self.policy = world, bucket_sync, policy
@@ -148,6 +152,7 @@ class RecoverManager:
         self.writer = WriterDuties(world, outputs, out_dir)
         self.failures = FailureLog(world, outputs, out_dir, die)
         self.processes = LocalProcesses(world, procs)
+        self.processes.watch_stopped(stopped_peer_s)
         self.between_steps = BetweenSteps(world=world, writer=self.writer,
                                           failures=self.failures, processes=self.processes,
                                           phases=self.phases)

@@ -79,7 +79,8 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
         counts_data=placement.shard % tp == 0,
         bad_replicas=rc.bad_replicas, tiers=rc.tiers,
         parameter_fingerprint=lambda: parameter_fingerprint(model), procs=procs,
-        status=RankStatus(out_dir, placement.world_rank, placement.replica, placement.shard))
+        status=RankStatus(out_dir, placement.world_rank, placement.replica, placement.shard),
+        stopped_peer_s=rc.timeouts.detect_s)  # [Note: stopped peers outside the detector]
     if heartbeat is not None:  # a rank leaving normally says goodbye to its replica peers
         world.on_leave = heartbeat.stand_down
     return manager

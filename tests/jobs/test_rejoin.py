@@ -184,3 +184,43 @@ def test_join_command_2x2(tmp_path, reference):
     steps, joins, summary = _check(out, reference, 2, 2)
     _assert_rejoined(steps, joins, summary, 2, [1])
     assert not list((out / "join" / "requests").glob("*.json"))
+
+
+@pytest.mark.slow  # default suite time: test_stopped_peers proves the sweep in process on real
+# stopped processes; this is the real respawned rank (the soak's third lost run)
+def test_a_frozen_replacement_is_ended_by_a_peer_on_its_host(tmp_path):
+    """A respawned replica is outside Open MPI's heartbeat detector (it watches the original
+    world only); SIGSTOPped, it was never declared dead: the survivors waited in their
+    all-reduce to the call deadline and the job relaunched from step 0. Now a survivor on its
+    host ends it ([Note: stopped peers outside the detector] in collectives/processes.py): 3 x 1,
+    replica 1 SIGKILLed at step 3, respawned, its replacement SIGSTOPped at step 30; the job
+    finishes in its first attempt, B every step, and the stopped rank is found before any
+    deadline. Real process: MPI_Comm_spawn through PRRTE, a real SIGSTOP of the spawned rank."""
+    out = tmp_path / "run"
+    result = run_cli(_train_args(out, 3, 1, ["replica=1,step=3,phase=grad_sync",
+                                             "replica=1,step=30,mode=stop"],
+                                 ("--recover.tiers.respawn_after_steps", "1")), timeout=400)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert not list(out.glob("relaunch/attempt-*")), output[-5000:]  # no second attempt
+    steps = read_jsonl(out / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert all(s["reduced_microbatches"] == 3 for s in steps)  # B, measured
+    events = read_jsonl(out / "events.jsonl")
+    joins = [e for e in events if e.get("phase") == "join" and e["ok"]]
+    assert joins and joins[0]["step"] < 30, f"the replacement joined after the stop: {joins}"
+    fired = read_jsonl(out / "faults_fired.jsonl")
+    stopped = fired[-1]
+    assert (stopped["mode"], stopped["step"]) == ("stop", 30)
+    assert stopped["pid"] != fired[0]["pid"]  # the replacement, not replica 1's first process
+    lost = [e for e in events if e.get("dead_replicas") == [1] and e["step"] == 30]
+    assert lost and lost[0]["detect_s"] < 2 * 10 + 30, lost  # before the call deadline (2H + 30)
+    assert f"(pid {stopped['pid']}), stopped for 4 s on this host" in output
+    assert steps[-1]["alive_replicas"] in (2, 3)  # respawned again if the run was long enough
+    deadline = time.monotonic() + 20
+    procs = read_registry(out)
+    while any(p.state() not in (None, "Z") for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [p.pid for p in procs if p.state() not in (None, "Z")] == []
+    print(f"measured: joined before step {joins[0]['step']}, stopped replacement found in "
+          f"{lost[0]['detect_s']:.1f} s, step 30 took {steps[29]['step_time_s']:.1f} s")
