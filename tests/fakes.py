@@ -217,6 +217,7 @@ class FakeWorld:
         self.on_failed = None  # as FaultTolerantWorld.on_failed (no frozen processes here)
         self.on_leave = None  # as FaultTolerantWorld.on_leave: called once when it leaves normally
         self.on_hung = None  # as FaultTolerantWorld.on_hung (the fake has no hang watchdog)
+        self.on_blocked = None  # as FaultTolerantWorld.on_blocked (nor a waiting call)
         self.closed = False
         self.calls: Counter[str] = Counter()
         self._epoch = -1 if newcomer else 0

@@ -22,7 +22,9 @@ class World(Protocol):
     collectives whose failure fails the epoch (never raises, never hangs: [Note: guarded
     calls] in guarded.py). Callbacks: ``on_phase(name)`` before each step of the consensus,
     ``on_failed(ranks)`` when a call names failed ranks, ``on_leave()`` when this rank leaves
-    normally, ``on_hung(reason)`` (watchdog thread) just before the hang watchdog kills it."""
+    normally, ``on_hung(reason)`` (watchdog thread) just before the hang watchdog kills it,
+    ``on_blocked(now)`` (watchdog thread) while a guarded call waits ([Note: stopped peers
+    outside the detector] in processes.py)."""
 
     world_rank: int
     replica: int
@@ -34,6 +36,7 @@ class World(Protocol):
     on_failed: Callable[[list[int]], None] | None
     on_leave: Callable[[], None] | None
     on_hung: Callable[[str], None] | None
+    on_blocked: Callable[[float], None] | None
 
     epoch: int
 

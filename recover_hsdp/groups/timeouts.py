@@ -7,7 +7,8 @@
   failure                     first to fire                                 after
   ==========================  ============================================  ===================
   dead process                gloo socket reset; NCCL: heartbeat / MPI      ms; detect_timeout_s
-  frozen process (SIGSTOP)    heartbeat (+ MPI detector for the others)     detect_timeout_s
+  frozen process (SIGSTOP)    heartbeat (+ MPI detector for the others;     detect_timeout_s
+                              a spawned rank: a waiting peer on its host)
   cut link                    heartbeat on both sides (+ MPI detector)      detect_timeout_s
   stuck main thread           hang watchdog of the stuck rank (then: dead)  learned, <= H
   slow step / save / build    nothing (threads beat; watchdog paused)       --
