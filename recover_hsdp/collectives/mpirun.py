@@ -7,6 +7,14 @@ Every fault-tolerant job of this project (the trainer, the tests, the benchmarks
 * ``--runtime-options error-nonzero-status=false``: a rank that exits with a non-zero status (an
   uncaught exception) is a failure ULFM handles, not a reason to end the job: without it PRRTE
   3.0 tolerated the first such rank and ended mpirun at the second (survivors orphaned).
+* ``--prtemca state_base_recoverable 1 --prtemca state_base_error_non_zero_exit 0``: the same two
+  policies as PRRTE's defaults for every job it starts, so for the jobs ``MPI_Comm_spawn`` starts
+  too (the replacements of a rejoin): the two options above apply to mpirun's own job only, and
+  a spawned job is not recoverable by default: PRRTE ended every rank of a spawned job when one
+  of them was killed (measured: 2 replicas spawned together, one SIGKILLed, the other ended with
+  it; in a real 4 x 1 run that second death landed in the survivors' repair and crashed Open
+  MPI inside ``MPI_Comm_split``). A spawn's info cannot ask for it (Open MPI 5.0 passes no
+  recovery key to PMIx).
 * ``--mca pml ob1 --mca btl tcp,self``: ``btl sm`` hangs when a rank dies.
 * ``--mca btl_tcp_flags send,inplace,need-ack,need-csum``: no RDMA put. The default flags gave a tcp
   self-deadlock after a death in 7/18 runs and false "reported dead" aborts of live ranks.
@@ -39,6 +47,8 @@ from collections.abc import Mapping, Sequence
 ULFM_MCA: tuple[str, ...] = (
     "--with-ft", "ulfm",
     "--runtime-options", "error-nonzero-status=false",
+    "--prtemca", "state_base_recoverable", "1",
+    "--prtemca", "state_base_error_non_zero_exit", "0",
     "--mca", "pml", "ob1",
     "--mca", "btl", "tcp,self",
     "--mca", "btl_tcp_flags", "send,inplace,need-ack,need-csum",

@@ -75,6 +75,7 @@ from recover_hsdp.manager.certify import Certifier
 from recover_hsdp.manager.culprits import Culprits
 from recover_hsdp.manager.divergence import diverged_replicas
 from recover_hsdp.manager.failures import FailureLog
+from recover_hsdp.manager.heap import release_free_heap
 from recover_hsdp.manager.local_processes import LocalProcesses
 from recover_hsdp.manager.phases import PhaseHooks, PhaseTimer
 from recover_hsdp.manager.rejoin import JoinWork, Rejoin
@@ -171,6 +172,7 @@ class RecoverManager:
         self.committed_data: list[DataRef] = []  # this replica's data in the last committed step
         self._contract_checked = False
         self._current_step = 0
+        self._heap_epoch = world.epoch  # the epoch of the last release_free_heap()
         self._decided_at = 0.0
         self._rest_fingerprint: int | None = None  # [Note: divergence votes], at rest
         self.emergency_checkpoint = False  # [Note: emergency checkpoint]
@@ -274,6 +276,9 @@ class RecoverManager:
                 self._absorb_culprits(step, work, state)  # third computations' reduce failed:
         record["phase_s"] = dict(self.timer.seconds)      # a death, repaired first)
         self.world.step_done(state.longest_microbatch_s)
+        if self.world.epoch != self._heap_epoch:  # a repair or a join since the last time:
+            self._heap_epoch = self.world.epoch   # [Note: the heap after a repair] (heap.py)
+            release_free_heap()
         return record
 
     def _until_clean(self, step: int, work: StepWork, state: StepState) -> None:

@@ -26,3 +26,13 @@ def test_a_spawned_rank_that_gives_up_leaves_by_sigkill_and_the_job_goes_on(tmp_
 def test_an_exit_without_finalize_there_is_an_improper_exit_to_prterun(tmp_path):
     job = run_mpi(3, "spawned_departure.py", [str(tmp_path), "exit"], tmp_path, timeout_s=90)
     assert "improperly" in job.output, job.output[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_ranks_spawned_together_outlive_each_other(tmp_path):
+    """Two replacements spawned in one call; one is SIGKILLed; the other lives on (PRRTE ended
+    it too before ``state_base_recoverable``: in a real 4 x 1 run its death landed in the
+    survivors' repair and crashed Open MPI in ``MPI_Comm_split``, a relaunch from step 0)."""
+    job = run_mpi(2, "spawned_siblings.py", [str(tmp_path)], tmp_path, timeout_s=90)
+    assert sorted(job.results()) == [0, 1], job.output[-3000:]
+    assert (tmp_path / "spawned1.json").exists(), job.output[-3000:]

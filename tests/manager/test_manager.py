@@ -11,6 +11,7 @@ What a job adds on top (processes, MPI, FSDP, TorchTitan) is covered by the real
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ import torch
 
 from fakes import FakeHub, FakeUnit, HubBroken, run_ranks, values_of
 from recover_hsdp.faults import FaultInjector, FaultSpec, Mode
-from recover_hsdp.manager import RecoverManager
+from recover_hsdp.manager import RecoverManager, heap
+from recover_hsdp.manager import manager as manager_module
 from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.recovery import BucketSync
 from recover_hsdp.workload import WorkloadPolicy
@@ -349,3 +351,18 @@ def test_death_during_the_end_of_run_still_writes_every_output(tmp_path, victim)
     assert summary["steps"] == 3 and summary["writer"] == [1 if victim == 0 else 0, 0]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
+
+
+def test_free_heap_is_released_once_per_change_of_membership(tmp_path, monkeypatch):
+    """[Note: the heap after a repair]: ``malloc_trim`` after the step of each repair (two
+    deaths in two different steps: two calls per survivor), never after a clean step."""
+    calls = []
+    monkeypatch.setattr(manager_module, "release_free_heap",
+                        lambda: calls.append(threading.get_ident()))
+    hub, results = run_job(tmp_path, replicas=4, g=1, steps=6,
+                           faults=["replica=1,step=2,phase=grad_sync,bucket=1",
+                                   "replica=2,step=4,phase=backward"])
+    works = values_of(results, killed=[(1, 0), (2, 0)])
+    assert sorted(works) == [(0, 0), (3, 0)] and hub.epoch == 2
+    assert len(calls) == 3 + 2  # after step 2 on replicas 0, 2, 3; after step 4 on 0 and 3
+    assert heap.release_free_heap() is None or heap.release_free_heap() >= 0.0  # the real one
