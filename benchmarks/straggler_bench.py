@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from _common import machine, read_jsonl, train_command, write_json
+from recover_hsdp.workload.ledger import ledger_records
 
 SLOW_REPLICA, SLOW_FROM, PATIENCE = 3, 3, 2
 
@@ -53,7 +54,7 @@ def per_replica(steps: list[dict], first: int) -> dict[str, float]:
 
 def critical_path(work: Path, name: str, first: int, speeds: dict[str, float]) -> dict:
     """Median over the steps from ``first`` on of max_r q_r s_r, and B / sum 1 / s_r."""
-    ledger = [line for line in read_jsonl(work / name / "ledger.jsonl")
+    ledger = [line for line in ledger_records(work / name)
               if line["step"] + 1 >= first]  # ledger steps are 0-based
     paths = [max(len(e["committed"]) * speeds[r] for r, e in line["replicas"].items())
              for line in ledger]
@@ -99,7 +100,7 @@ def main() -> None:
             "max_loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, ref)),
             "b_every_step": all(s["reduced_microbatches"] == 4 * args.g for s in steps),
             "slow_replica_quota": [len(line["replicas"][str(SLOW_REPLICA)]["committed"])
-                                   for line in read_jsonl(work / name / "ledger.jsonl")],
+                                   for line in ledger_records(work / name)],
             "seconds_per_microbatch": speeds}
     result["quotas_rebalanced"] = [
         e.get("weights") for e in read_jsonl(work / "rebalanced" / "events.jsonl")

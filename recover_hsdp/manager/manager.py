@@ -64,6 +64,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
+import numpy as np
+
 from recover_hsdp import handshake
 from recover_hsdp.collectives.processes import ProcessInfo
 from recover_hsdp.errors import one_line
@@ -87,6 +89,11 @@ from recover_hsdp.phases import Phase, profiler_labels
 from recover_hsdp.recovery.fingerprint import flip_bit, from_halves, halves
 from recover_hsdp.status import RankStatus
 from recover_hsdp.workload import DataRef, Role, WorkloadPolicy
+
+#: The step record's ``compute_s_per_microbatch`` names this many replicas, the slowest (all of
+#: them up to this many): a bounded record however large the job ([Note: a plan in O(1) per
+#: step] in workload/plan.py); the straggler rule's own event names every replica it weighs.
+SECONDS_SHOWN = 16
 
 
 class RecoverManager:
@@ -410,14 +417,14 @@ class RecoverManager:
         totals.reduced, totals.disagree = count, float(not agree)
         totals.join_requests, totals.join_ready, totals.join_failed = self.rejoin.totals()
         width = self.policy.initial_replicas  # [Note: straggler quotas]: a replica's mean
-        totals.compute_s = [0.0] * width
+        totals.compute_s = np.zeros(width)
         totals.compute_s[self.replica] = state.compute_s / self.world.layout.ranks_per_replica
-        totals.fingerprints = [0.0] * (2 * width)  # [Note: divergence votes]
+        totals.fingerprints = np.zeros(2 * width)  # [Note: divergence votes]
         if self._fingerprint(state) is not None:
             totals.fingerprints[2 * self.replica:2 * self.replica + 2] = halves(state.fingerprint)
         if self.audits.interval > 0:  # [Note: gradient audits]
-            totals.signatures = (list(state.signatures) if state.signatures is not None
-                                 else [0.0] * (SLOTS * width))
+            totals.signatures = (np.asarray(state.signatures, np.float64)
+                                 if state.signatures is not None else np.zeros(SLOTS * width))
         values = totals.to_array()  # rejoin's counts ride along: [Note: rejoin at a boundary]
         self.world.allreduce_global(values)
         state.totals = StepTotals.from_array(values, width)
@@ -506,7 +513,7 @@ class RecoverManager:
             "epoch": self.world.epoch,
             "g": plan.g, "roles": {r.value: plan.count(r) for r in Role},
             "quota": mine.quota, "sync_time_s": state.sync_time_s,
-            "compute_s_per_microbatch": {str(r): totals.compute_s[r] for r in plan.alive},
+            "compute_s_per_microbatch": totals.slowest(SECONDS_SHOWN),
             "snapshot_bytes_per_rank": sync.snapshot_bytes(),
         }
 
@@ -558,10 +565,11 @@ class RecoverManager:
         """[Note: divergence votes]: the replicas that differ from a strict majority (their
         ranks leave here; the others return them and the consensus sees a death); no strict
         majority raises ``NoMajority``."""
-        if not any(totals.fingerprints):
+        alive = self.world.alive_replicas
+        if not totals.fingerprints.any() or totals.fingerprints_agree(alive):
             return ()
         votes = {r: from_halves(*totals.replica_fingerprint(r))
-                 for r in self.world.alive_replicas}
+                 for r in alive}
         diverged = diverged_replicas(step, votes, self.restart_point)
         if not diverged:
             return ()

@@ -134,15 +134,16 @@ class Rejoin:
             return
         # the world's own ids only: a run launched below W_init ([Note: the relaunch keeps B]
         # in cli/relaunch.py) has no place for ids >= R; the relaunch tier refills those
-        missing = [r for r in range(self.world.layout.num_replicas) if r not in alive]
-        if not missing:
+        if len(alive) >= self.world.layout.num_replicas:  # no id missing (alive are ids < R)
             if self.requests_seen and self.writer.is_writer:  # nothing to bring back
                 finish_requests(join_requests(self.out_dir), False)
             return
         due_respawn = (self.respawn_after_steps > 0 and self._lost_since is not None
                        and step - self._lost_since >= self.respawn_after_steps)
         if not due_respawn and not self.requests_seen:
-            return
+            return  # every step until then: O(1) ([Note: a plan in O(1) per step])
+        present = set(alive)
+        missing = [r for r in range(self.world.layout.num_replicas) if r not in present]
         if not due_respawn:
             missing = missing[:self.requests_seen]
         self._lost_since = step  # the next attempt, if this one fails, N steps later
@@ -158,7 +159,7 @@ class Rejoin:
         every survivor records the join."""
         started = time.perf_counter()
         world = self.world
-        spawner = min(world.alive_replicas) * world.layout.ranks_per_replica
+        spawner = world.alive_replicas[0] * world.layout.ranks_per_replica  # sorted
         join = StartedJoin(tuple(replicas), spawner, step)
         if world.world_rank == spawner:
             requests = join_requests(self.out_dir)[:len(replicas)]

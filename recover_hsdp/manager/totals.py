@@ -58,9 +58,11 @@ class StepTotals:
     join_requests: float = 0.0
     join_ready: float = 0.0
     join_failed: float = 0.0
-    compute_s: list[float] = dataclasses.field(default_factory=list)
-    fingerprints: list[float] = dataclasses.field(default_factory=list)
-    signatures: list[float] = dataclasses.field(default_factory=list)
+    # per replica: numpy arrays (views of the reduced array after ``from_array``), never
+    # Python lists: W values per step ([Note: a plan in O(1) per step] in workload/plan.py)
+    compute_s: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    fingerprints: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    signatures: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
     def add_microbatch(self, loss: float, tokens: int, positions: int) -> None:
         self.loss += loss
@@ -68,8 +70,10 @@ class StepTotals:
         self.positions += positions
 
     def to_array(self) -> np.ndarray:
-        return np.array([getattr(self, name) for name in _SCALARS] + list(self.compute_s)
-                        + list(self.fingerprints) + list(self.signatures), np.float64)
+        return np.concatenate([np.array([getattr(self, name) for name in _SCALARS], np.float64),
+                               np.asarray(self.compute_s, np.float64),
+                               np.asarray(self.fingerprints, np.float64),
+                               np.asarray(self.signatures, np.float64)])
 
     @classmethod
     def from_array(cls, values: np.ndarray, replicas: int = 0) -> StepTotals:
@@ -80,14 +84,32 @@ class StepTotals:
             raise ValueError(f"StepTotals: {len(values)} values for {first} fields and "
                              f"{replicas} replicas")
         prints = first + replicas
+        values = np.asarray(values, np.float64)
         return cls(**{name: float(value) for name, value in zip(_SCALARS, values)},
-                   compute_s=[float(v) for v in values[first:prints]],
-                   fingerprints=[float(v) for v in values[prints:prints + 2 * replicas]],
-                   signatures=[float(v) for v in values[prints + 2 * replicas:]])
+                   compute_s=values[first:prints],
+                   fingerprints=values[prints:prints + 2 * replicas],
+                   signatures=values[prints + 2 * replicas:])
 
     def replica_fingerprint(self, replica: int) -> tuple[float, float]:
         """``replica``'s summed fingerprint halves (high, low)."""
-        return self.fingerprints[2 * replica], self.fingerprints[2 * replica + 1]
+        return float(self.fingerprints[2 * replica]), float(self.fingerprints[2 * replica + 1])
+
+    def fingerprints_agree(self, alive: Sequence[int]) -> bool:
+        """Every replica of ``alive`` (sorted) summed the same fingerprint halves: O(W) in
+        numpy, no Python object per replica (the vote's common case)."""
+        pairs = self.fingerprints.reshape(-1, 2)
+        if len(alive) == len(pairs) and alive[-1] == len(pairs) - 1:  # every slot alive
+            return bool((pairs == pairs[0]).all())
+        chosen = pairs[np.fromiter(alive, np.int64, len(alive))]
+        return bool((chosen == chosen[0]).all())
+
+    def slowest(self, count: int) -> dict[str, float]:
+        """The ``count`` replicas with the most compute seconds per microbatch this step
+        (measured ones only), for the step's record: O(W) in numpy, a bounded record."""
+        measured = np.flatnonzero(self.compute_s > 0)
+        if len(measured) > count:
+            measured = measured[np.argpartition(self.compute_s[measured], -count)[-count:]]
+        return {str(int(r)): float(self.compute_s[r]) for r in sorted(measured)}
 
     def check_measured(self, step: int, committed: int, ranks_per_replica: int,
                        nominal_tokens: int) -> int:
@@ -116,7 +138,7 @@ def observe_speeds(policy: WorkloadPolicy, outputs: RunMetrics, step: int, plan:
     ``rebalance``)."""
     if not policy.rebalancer.enabled:
         return
-    seconds = {r: compute_s[r] for r in plan.alive}
+    seconds = {r: float(compute_s[r]) for r in plan.alive}  # O(W): stragglers on only
     if policy.observe_speeds(seconds):
         outputs.log_event({"step": step, "phase": "rebalance",
                            "seconds_per_microbatch": {str(r): s for r, s in seconds.items()},

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from recover_hsdp.outputs import RunMetrics, backfill_jsonl
 from recover_hsdp.workload import StepPlan
-from recover_hsdp.workload.ledger import LedgerWriter, plan_record
+from recover_hsdp.workload.ledger import LedgerWriter, ledger_line
 
 
 class WriterDuties:
@@ -30,6 +30,8 @@ class WriterDuties:
     def __init__(self, world, outputs: RunMetrics, out_dir: str | Path):
         self.world, self.outputs, self.out_dir = world, outputs, Path(out_dir)
         self.ledger_records: list[dict] = []  # every rank keeps them: a new writer back-fills
+        self._previous: StepPlan | None = None  # the last one recorded ([Note: the compact
+                                                # ledger] in workload/ledger.py)
         self._ledger: LedgerWriter | None = None
         self.outputs.set_writer(self.is_writer)
         if self.is_writer:  # the run's first writer starts the ledger afresh
@@ -38,13 +40,13 @@ class WriterDuties:
 
     @property
     def is_writer(self) -> bool:
-        alive = self.world.alive_replicas
-        return bool(alive) and self.world.replica == min(alive) and self.world.shard == 0
+        alive = self.world.alive_replicas  # sorted
+        return bool(alive) and self.world.replica == alive[0] and self.world.shard == 0
 
     @property
     def saves_checkpoints(self) -> bool:
         alive = self.world.alive_replicas
-        return bool(alive) and self.world.replica == min(alive)
+        return bool(alive) and self.world.replica == alive[0]
 
     def refresh(self) -> None:
         """After a change of membership: hand the duty over or take it (back-filling)."""
@@ -58,9 +60,13 @@ class WriterDuties:
         self.outputs.set_writer(self.is_writer)
 
     def record_commit(self, plan: StepPlan, epoch: int) -> None:
-        self.ledger_records.append(plan_record(plan, epoch))
+        """Every rank keeps the step's ledger line: O(1) for a step planned as the one before
+        it, so no rank pays for the whole plan every step; the writer writes it."""
+        line = ledger_line(plan, epoch, self._previous)
+        self.ledger_records.append(line)
+        self._previous = plan
         if self._ledger is not None:
-            self._ledger.append(plan, epoch)
+            self._ledger.write(line, plan)
 
     def close(self) -> None:
         if self._ledger is not None:

@@ -51,7 +51,8 @@ from enum import Enum
 from typing import Iterable, Mapping
 
 from recover_hsdp.workload.assignment import Assigner, make_assigner
-from recover_hsdp.workload.plan import DataAssignment, DataRef, ReplicaAssignment, Role, StepPlan
+from recover_hsdp.workload.plan import (DataAssignment, DataRef, Layout, ReplicaAssignment, Role,
+                                        StepPlan)
 from recover_hsdp.workload.rebalance import Rebalancer, StragglerRule
 
 __all__ = ["DataAssignment", "DataRef", "GRaise", "ReplicaAssignment", "Role", "StepPlan",
@@ -125,6 +126,9 @@ class WorkloadPolicy:
         self.step = 0
         self.alive = _sorted_ids(range(initial_replicas) if alive_replicas is None
                                  else alive_replicas)
+        self._layout: Layout | None = None  # the last plan's ([Note: a plan in O(1) per step])
+        self._layout_weights: tuple = ()
+        self._layout_source: object = None  # the membership object it was built from
 
     @property
     def data_assignment(self) -> DataAssignment:
@@ -157,26 +161,36 @@ class WorkloadPolicy:
     def plan(self, step: int, alive_replicas: Iterable[int] | None = None) -> StepPlan:
         """Failure-free plan of `step` for the agreed membership (default: the policy's own).
         Contributor k owns block k of the step's B ids; spare j stands for contributor j mod
-        #contributors; the assigner turns role and block into ids."""
-        alive = self.alive if alive_replicas is None else _sorted_ids(alive_replicas)
+        #contributors; the assigner turns role and block into ids, for one replica when it is
+        asked for: O(1) per step while the membership and the quota weights stay ([Note: a plan
+        in O(1) per step] in plan.py)."""
+        layout = self._layout_of(self.alive if alive_replicas is None else alive_replicas)
+        return self._checked(StepPlan(step, self.global_microbatches, layout.g,
+                                      self.data_assignment, self.assigner.placer(layout, step)))
+
+    def _layout_of(self, alive: Iterable[int]) -> Layout:
+        """The roles and blocks for ``alive`` under the current quota weights: the last one
+        when neither changed (an identity test, else one tuple comparison), else built and
+        checked (O(W))."""
+        weights = tuple(sorted(self.rebalancer.weights.items()))
+        last = self._layout
+        if last is not None and self._layout_weights == weights and (
+                alive is last.alive or alive is self._layout_source
+                or (isinstance(alive, tuple) and alive == last.alive)):
+            return last
+        source, alive = alive, _sorted_ids(alive)
+        if last is not None and self._layout_weights == weights and alive == last.alive:
+            return last
         b, g = self.global_microbatches, self.g_for(len(alive))
         n_major, q = divmod(b, g)
-        n_contrib = n_major + (q > 0)
-        starts, blocks = step * b, []
-        for size in self.rebalancer.quotas(alive[:n_contrib], b, g):  # G each, q last, unless
-            blocks.append(range(starts, starts + size))               # a straggler is slower
-            starts += size
-        out = []
-        for k, r in enumerate(alive):
-            if k < n_contrib:
-                role, block, shadow = Role.MAJOR if k < n_major else Role.MINOR, blocks[k], None
-            elif self.keep_spares:
-                j = (k - n_contrib) % n_contrib
-                role, block, shadow = Role.SPARE, blocks[j], alive[j]
-            else:
-                role, block, shadow = Role.IDLE, range(0), None
-            out.append(self.assigner.place(r, role, block, shadow, g))
-        return self._checked(StepPlan(step, b, g, self.data_assignment, tuple(out)))
+        offsets = [0]
+        for size in self.rebalancer.quotas(alive[:n_major + (q > 0)], b, g):  # G each, q last,
+            offsets.append(offsets[-1] + size)                               # unless a
+        self._layout = Layout(alive, g, tuple(offsets), n_major,              # straggler is
+                              self.keep_spares)                               # slower
+        self._layout_weights = weights
+        self._layout_source = source if isinstance(source, tuple) else None  # immutable only
+        return self._layout
 
     def replan(self, plan: StepPlan, dead_replicas: Iterable[int]) -> StepPlan:
         """Same step after `dead_replicas` died: promote spares, then deal extras (boundary)."""
@@ -245,8 +259,9 @@ class WorkloadPolicy:
         return self.rebalancer.observe(seconds)
 
     def _checked(self, plan: StepPlan) -> StepPlan:
-        """Assert the invariant (always on, O(B)): B committed here, the mode's half (no id
-        twice, exact ids as planned) by the assigner."""
+        """Assert the invariant (always on; O(B), O(1) for a fresh plan whose layout was
+        checked when built): B committed here, the mode's half (no id twice, exact ids as
+        planned) by the assigner."""
         b = plan.global_microbatches
         if plan.committed_total() != b:
             raise AssertionError(f"step {plan.step}: {plan.committed_total()} microbatches "

@@ -23,6 +23,7 @@ whatever the quotas (the trajectory is unchanged up to float summation order).
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -79,12 +80,11 @@ class Rebalancer:
         for r in [r for r in self.streaks if r not in alive]:
             del self.streaks[r]
         measured = {r: s for r, s in seconds.items() if s > 0}
-        changed = False
-        for r in sorted(measured):
-            others = [s for q, s in measured.items() if q != r]
-            if not others:
-                continue
-            changed |= self._observe_one(r, measured[r] / _median(others))
+        ordered = sorted(measured.values())  # each replica against the median of the others:
+        changed = False                      # O(W log W), not a sort per replica
+        for r in sorted(measured) if len(ordered) > 1 else ():
+            changed |= self._observe_one(r, measured[r] / _median_without(ordered,
+                                                                          measured[r]))
         return changed
 
     def _observe_one(self, replica: int, ratio: float) -> bool:
@@ -151,6 +151,17 @@ def apportion(b: int, weights: Sequence[float]) -> list[int]:
         k += 1
     assert sum(quotas) == b and min(quotas) >= 1, (b, weights, quotas)
     return quotas
+
+
+def _median_without(ordered: Sequence[float], value: float) -> float:
+    """``_median`` of sorted ``ordered`` less one occurrence of ``value``: the same number
+    (the same two middle values added in the same order), without copying."""
+    i, m = bisect.bisect_left(ordered, value), len(ordered) - 1
+
+    def at(p: int) -> float:
+        return ordered[p] if p < i else ordered[p + 1]
+    mid = m // 2
+    return at(mid) if m % 2 else (at(mid - 1) + at(mid)) / 2
 
 
 def _median(values: Sequence[float]) -> float:

@@ -11,6 +11,7 @@ import pytest
 
 
 from conftest import DEBUG_CONFIG, read_jsonl, run_cli
+from recover_hsdp.workload.ledger import ledger_records
 
 STEPS = 10
 B = 4  # 4 replicas x G = 1
@@ -72,7 +73,7 @@ def test_a_run_launched_below_its_initial_replicas_keeps_b(tmp_path, failure_fre
     _assert_b_every_step(steps, final_alive=3)
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, failure_free["exact"])]
     assert max(diffs) <= 1e-3, diffs
-    for entry in read_jsonl(tmp_path / "ledger.jsonl"):
+    for entry in ledger_records(tmp_path):
         roles = {r: (a["role"], len(a["committed"])) for r, a in entry["replicas"].items()}
         assert roles == {"0": ("major", 2), "1": ("major", 2), "2": ("spare", 0)}, entry
 
@@ -87,7 +88,7 @@ def test_global_rank_0_killed_outputs_move_to_lowest_survivor(tmp_path, local_co
     _assert_b_every_step(steps, final_alive=3)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["failures"] == 1
-    ledger = read_jsonl(tmp_path / "ledger.jsonl")
+    ledger = ledger_records(tmp_path)
     assert [e["step"] for e in ledger] == list(range(STEPS))      # nothing lost at the handover
     assert read_jsonl(tmp_path / "events.jsonl")[0]["dead_replicas"] == [0]
 

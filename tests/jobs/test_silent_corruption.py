@@ -14,6 +14,7 @@ import pytest
 from conftest import DEBUG_CONFIG, no_step_waited_for_a_deadline, read_jsonl, run_cli
 from recover_hsdp import certificates
 from recover_hsdp.collectives.processes import read_registry
+from recover_hsdp.workload.ledger import ledger_records
 
 STEPS = 10
 BITFLIP = "phase=optimizer,mode=bitflip"  # at rest: the replica's own check sees it
@@ -83,7 +84,7 @@ def test_a_bitflip_a_nan_and_a_wrong_backward_in_a_4x1_job(tmp_path, failure_fre
     (vote,) = _events(tmp_path, "diverged")
     assert vote["step"] == 6 and vote["diverged"] == [2]
     assert len(set(vote["fingerprints"].values())) == 2
-    ledger = read_jsonl(tmp_path / "ledger.jsonl")
+    ledger = ledger_records(tmp_path)
     assert "2" not in {r for r, w in ledger[5]["replicas"].items() if w["committed"]}
     assert all("3" not in {r for r, w in entry["replicas"].items() if w["committed"]}
                for entry in ledger[6:])  # nothing of the wrong backward committed

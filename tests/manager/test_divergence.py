@@ -15,6 +15,7 @@ from recover_hsdp.config import BadReplicas
 from recover_hsdp.faults import Mode, Phase, failure_schedule
 from recover_hsdp.manager.divergence import NoMajority, diverged_replicas
 from recover_hsdp.recovery import fingerprint, flip_bit, from_halves, halves
+from recover_hsdp.workload.ledger import ledger_records
 from test_culprits import NormWork
 from test_manager import check_against_oracle, run_job
 
@@ -196,7 +197,7 @@ def test_a_mixed_schedule_draws_its_victims_among_the_alive(tmp_path):
     # that do not end the rank are in faults_fired.jsonl, the kills in the ranks' results
     fired = [json.loads(x) for x in (tmp_path / "faults_fired.jsonl").read_text().splitlines()]
     assert [(f["step"], f["mode"]) for f in fired] == [(2, "bitflip"), (7, "nan")]
-    ledger = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    ledger = ledger_records(tmp_path)
     for record in fired:  # alive when its step was planned: the previous step's committers
         alive = sorted(map(int, ledger[record["step"] - 2]["replicas"]))
         assert record["replica"] in alive[1:], (record, alive)

@@ -24,7 +24,7 @@ from recover_hsdp.manager import manager as manager_module
 from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.recovery import BucketSync
 from recover_hsdp.workload import WorkloadPolicy
-from recover_hsdp.workload.ledger import read_ledger
+from recover_hsdp.workload.ledger import ledger_records, read_ledger
 
 UNITS, WIDTH, TOKENS = 3, 4, 8
 
@@ -213,7 +213,7 @@ def test_spare_promoted_in_exact_mode_needs_no_extra_compute(tmp_path):
                                    "replica=0,step=3,phase=grad_sync,bucket=1"])
     works = values_of(results, killed=[(3, 0), (0, 0)])
     ledger = check_against_oracle(tmp_path, works, 4, 4, b=4)
-    step3 = json.loads((tmp_path / "ledger.jsonl").read_text().splitlines()[2])
+    step3 = ledger_records(tmp_path)[2]
     assert [r for r, w in step3["replicas"].items() if w["promoted"]], step3
     assert not any(ledger[2].extra.values())
 

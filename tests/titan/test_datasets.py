@@ -18,6 +18,7 @@ import pytest
 
 from c4_local import audit_stream_samples, make_local_c4
 from conftest import DEBUG_CONFIG, read_jsonl, run_cli
+from recover_hsdp.workload.ledger import ledger_records
 
 SEQ, LBS = 64, 2
 
@@ -73,7 +74,7 @@ def test_stream_c4_4x1_kills_then_restart_on_3_continues_the_streams(tmp_path, c
     unread = {int(s): c for e in repairs for s, c in e["unread_streams"].items()}
     counts = audit_stream_samples([(tmp_path / "run", None)], "c4", c4, SEQ, LBS)
     assert counts[1] == unread[1] and counts[2] == unread[2]   # dead slots stop at the cursor
-    ledger = read_jsonl(tmp_path / "run" / "ledger.jsonl")
+    ledger = ledger_records(tmp_path / "run")
     last = ledger[-1]["replicas"]
     for replica in ("0", "3"):                                  # survivors: up to their cursor
         entry = last[replica]
