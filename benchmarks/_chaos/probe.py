@@ -10,9 +10,10 @@ here too (the policy asserts it itself): ``committed_total() == B``, and, in exa
 B = 100,000, the committed ids are exactly t*B .. t*B+B-1. Between two events
 the steps are copies of the last checked plan, accounted in bulk (never planned one by one).
 
-[Note: sampled policy calls] A plan is O(W x G): ~0.12 s at W = 12,500 and ~1.5 s at W = 125,000
-(measured on the 2-core box), and a week at 1M GPUs has thousands of events. So each run has a
-budget of replica-plans (``budget``; an event costs about PLANS_PER_EVENT x W); when the events
+[Note: sampled policy calls] A replan, and reading every replica's work off a plan as this probe
+does, is O(W x G) (a rank's own plan is O(1): [Note: a plan in O(1) per step]): ~0.12 s at
+W = 12,500 and ~1.5 s at W = 125,000 (measured on the 2-core box), and a week at 1M GPUs has
+thousands of events. So each run has a budget of replica-plans (``budget``; an event costs about PLANS_PER_EVENT x W); when the events
 expected would exceed it, an event calls the real policy with probability
 p = budget / (PLANS_PER_EVENT x W x events expected), drawn from the run's seeded generator,
 and always when no earlier real call had the same shape: the event's kind, the replicas it
