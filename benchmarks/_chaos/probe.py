@@ -13,9 +13,9 @@ the steps are copies of the last checked plan, accounted in bulk (never planned 
 [Note: sampled policy calls] A replan, and reading every replica's work off a plan as this probe
 does, is O(W x G) (a rank's own plan is O(1): [Note: a plan in O(1) per step]): ~0.12 s at
 W = 12,500 and ~1.5 s at W = 125,000 (measured on the 2-core box), and a week at 1M GPUs has
-thousands of events. So each run has a budget of replica-plans (``budget``; an event costs about PLANS_PER_EVENT x W); when the events
-expected would exceed it, an event calls the real policy with probability
-p = budget / (PLANS_PER_EVENT x W x events expected), drawn from the run's seeded generator,
+thousands of events. So each run has a budget of replica-plans (``budget``; an event costs about
+PLANS_PER_EVENT x W); when the events expected would exceed it, an event calls the real policy
+with probability p = budget / (PLANS_PER_EVENT x W x events expected), drawn from the run's seeded generator,
 and always when no earlier real call had the same shape: the event's kind, the replicas it
 affects, and G before and after it by the policy's own rule (``g_for``, O(1)). An event not
 sampled reuses the figures (G, critical path, extras) of the last real call of its shape, and
