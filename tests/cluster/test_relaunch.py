@@ -20,6 +20,7 @@ import pytest
 
 from conftest import DEBUG_CONFIG, REPO, read_jsonl, run_cli
 from netns_cluster import NetnsCluster, skip_unless_available
+from recover_hsdp.workload.ledger import ledger_records
 from test_node_loss import _finish, _names, _wait_for_step
 
 pytestmark = skip_unless_available()
@@ -174,7 +175,7 @@ def test_lost_node_without_standby_or_checkpoint_keeps_b(tmp_path, failure_free_
     assert list(record["lost_hosts"]) == [lost_addr] and record["replicas"] == 2, record
     assert record["resume_step"] == 0, record
     assert "no relaunch" not in text
-    ledger = read_jsonl(out / "ledger.jsonl")
+    ledger = ledger_records(out)
     assert [e["step"] for e in ledger] == list(range(STEPS))
     for entry in ledger:   # the policy's roles for 2 of W_init = 3, every id of the step once
         roles = {r: (a["role"], len(a["committed"])) for r, a in entry["replicas"].items()}

@@ -1,0 +1,218 @@
+"""The fault-tolerant collectives alone (no torch) at the largest rank count this box holds:
+16 ... 256 MPI processes on a namespace cluster (issue 34 item 2).
+
+    python benchmarks/ulfm_scaling_bench.py [--ranks 16 32 64 128 256] [--nodes 4]
+                                            [--iters 20] [--detect-s 60]
+
+Each size is one ULFM job (``recover_hsdp.collectives.mpirun`` flags, Open MPI's heartbeat
+detector on its thread with a ``--detect-s`` timeout: slowed, so 256 Python processes on 2 cores
+raise no false alarm) spread evenly over ``--nodes`` network-namespace "nodes"
+(tests/netns_cluster.py; one replica = one rank). Every rank runs, over ``FaultTolerantWorld``:
+
+  reduce   ``allreduce_global`` of 8 int64 (the step's totals are this kind of call), checked
+  agree    ``consensus(True)``: the fault-tolerant agreement every step makes (MPI_Comm_agree)
+  1 death  one rank SIGKILLs itself right before a reduce; the survivors' reduce fails, their
+           consensus revokes, shrinks, agrees on the dead and rebuilds the communicators
+  4 deaths four ranks, spread evenly over the ranks, the same way at once
+
+Times: one call = the slowest rank's, median over ``--iters``; a death: from the victims' kill
+(their wall clock, written just before) to the survivors' decision that the epoch was not clean
+(detect) and to the rebuilt communicators (repair = ``ConsensusResult.repair_s``), the slowest
+survivor; the phases of the repair (revoke + shrink, rebuild, the agreement on the membership)
+from the world's ``on_phase`` marks. After each death the survivors reduce again and check the
+sum. Writes benchmarks/results/ulfm_scaling.json and prints the table with the fit in log P.
+Needs root (namespaces). ~10 min with the defaults on this box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+
+# ----------------------------------------------------------------------------- inner (each rank)
+def inner(out: str, iters: int, deaths: list[list[int]]) -> None:
+    import numpy as np
+
+    from recover_hsdp.collectives import MPI, Deadlines, FaultTolerantWorld
+
+    comm = MPI.COMM_WORLD
+    me, size = comm.Get_rank(), comm.Get_size()
+    marks: list[tuple[str, float]] = []
+    world = FaultTolerantWorld(comm, 1, Deadlines(call_s=900.0, repair_s=1200.0,
+                                                  hang_timeout_s=None),
+                               on_phase=lambda name: marks.append((name, time.time())))
+    log: dict = {"rank": me, "size": size, "host": os.uname().nodename, "reduce": [],
+                 "agree": [], "deaths": [], "errors": 0}
+
+    def reduce_checked() -> bool:
+        values = np.full(8, me + 1, np.int64)
+        ok = world.allreduce_global(values)
+        if ok and int(values[0]) != sum(r + 1 for r in world.layout.alive_ranks()):
+            log["errors"] += 1
+        return ok
+
+    world.consensus(reduce_checked())  # warm: connections made
+    for _ in range(iters):
+        started = time.perf_counter()
+        assert reduce_checked()
+        log["reduce"].append(time.perf_counter() - started)
+    for _ in range(iters):
+        started = time.perf_counter()
+        assert world.consensus(True).clean
+        log["agree"].append(time.perf_counter() - started)
+    for victims in deaths:
+        if me in victims:
+            Path(out, f"kill{me}.json").write_text(json.dumps({"t": time.time()}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        marks.clear()
+        entered = time.time()
+        ok = reduce_checked()
+        result = world.consensus(ok)
+        decided = time.time() - result.repair_s
+        log["deaths"].append({
+            "victims": victims, "reduce_ok": ok, "clean": result.clean,
+            "dead": sorted(result.dead_replicas), "alive": len(result.alive_replicas),
+            "entered": entered, "decided": decided, "repaired": time.time(),
+            "detect_s": result.detect_s, "repair_s": result.repair_s, "rounds": result.rounds,
+            "marks": list(marks), "after_ok": reduce_checked()})
+    world.finish()
+    Path(out, f"rank{me}.json").write_text(json.dumps(log))
+
+
+# ----------------------------------------------------------------------------- driver
+def spread(count: int, size: int, taken: set[int]) -> list[int]:
+    """``count`` ranks spread evenly over 1 .. size - 1, none of ``taken`` (rank 0 stays)."""
+    out = []
+    for k in range(count):
+        r = max(1, (size * (2 * k + 1)) // (2 * count))
+        while r in taken or r in out:
+            r = r % (size - 1) + 1
+        out.append(r)
+    return sorted(out)
+
+
+def run_size(size: int, nodes: int, iters: int, detect_s: float, timeout_s: float) -> dict:
+    from netns_cluster import NetnsCluster
+
+    from recover_hsdp.collectives.mpirun import heartbeat_detector_args, mpirun_prefix
+
+    one = spread(1, size, set())
+    four = spread(4, size, set(one))
+    deaths = [one, four]
+    per_node = math.ceil(size / nodes)
+    with tempfile.TemporaryDirectory(prefix="ulfm_scale_") as out, \
+            NetnsCluster(nodes, prefix=f"rhus{size}", subnet="10.231.77",
+                         slots=per_node) as cluster:
+        env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        cmd = mpirun_prefix(size, env=env, extra=[
+            *heartbeat_detector_args(detect_s, preconnect=False), *cluster.mpirun_args(),
+            "--map-by", f"ppr:{per_node}:node"]) + [
+            sys.executable, str(Path(__file__).resolve()), "--inner", out, "--iters", str(iters),
+            "--deaths", json.dumps(deaths)]
+        started = time.time()
+        proc = cluster.popen(0, cmd, env=dict(os.environ, **env), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)
+        try:
+            text, _ = proc.communicate(timeout=timeout_s)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text, rc = proc.communicate()[0], None
+        wall = time.time() - started
+        logs = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+        kills = {int(p.stem[4:]): json.loads(p.read_text())["t"]
+                 for p in Path(out).glob("kill*.json")}
+    return summarize(size, nodes, deaths, logs, kills, rc, wall, text.decode(errors="replace")
+                     if isinstance(text, bytes) else (text or ""))
+
+
+def summarize(size, nodes, deaths, logs, kills, rc, wall, text) -> dict:
+    row = {"ranks": size, "nodes": nodes, "rc": rc, "wall_s": round(wall, 1),
+           "finished": len(logs), "expected_finished": size - sum(len(v) for v in deaths),
+           "errors": sum(g["errors"] for g in logs), "deaths": []}
+    if not logs:
+        row["log_tail"] = text[-3000:]
+        return row
+    for name in ("reduce", "agree"):
+        per_iter = [max(g[name][i] for g in logs) for i in range(len(logs[0][name]))]
+        row[f"{name}_ms"] = round(1e3 * statistics.median(per_iter), 3)
+    for index, victims in enumerate(deaths):
+        events = [g["deaths"][index] for g in logs]
+        killed = min(kills[v] for v in victims if v in kills)
+        phases: dict[str, float] = {}
+        for event in events:  # the slowest survivor's time to each phase mark
+            for name, t in event["marks"]:
+                phases[name] = max(phases.get(name, 0.0), t - killed)
+        row["deaths"].append({
+            "victims": victims,
+            "all_saw_them_dead": all(sorted(e["dead"]) == sorted(victims) for e in events),
+            "alive_after": events[0]["alive"], "after_reduce_ok": all(e["after_ok"]
+                                                                      for e in events),
+            "detect_s": round(max(e["decided"] for e in events) - killed, 3),
+            "repaired_s": round(max(e["repaired"] for e in events) - killed, 3),
+            "repair_s": round(max(e["repair_s"] for e in events), 3),
+            "rounds": max(e["rounds"] for e in events),
+            "phase_marks_s": {k: round(v, 3) for k, v in sorted(phases.items(),
+                                                                  key=lambda kv: kv[1])}})
+    return row
+
+
+def fit_log(rows: list[dict], key) -> dict | None:
+    """Least squares ``a + b log2 P`` over the rows that have ``key``; None if fewer than 2."""
+    points = [(math.log2(r["ranks"]), key(r)) for r in rows if key(r) is not None]
+    if len(points) < 2:
+        return None
+    mx = statistics.mean(x for x, _ in points)
+    my = statistics.mean(y for _, y in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    a = my - b * mx
+    return {"a": a, "b_per_doubling": b, "at_100k_ranks": a + b * math.log2(100_000)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--inner", help=argparse.SUPPRESS)
+    parser.add_argument("--deaths", help=argparse.SUPPRESS)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--detect-s", type=float, default=60.0)
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    args = parser.parse_args()
+    if args.inner:
+        inner(args.inner, args.iters, json.loads(args.deaths))
+        return
+    from _common import machine, write_json
+
+    rows = []
+    for size in args.ranks:
+        row = run_size(size, args.nodes, args.iters, args.detect_s, args.timeout_s)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    fits = {
+        "reduce_ms": fit_log(rows, lambda r: r.get("reduce_ms")),
+        "agree_ms": fit_log(rows, lambda r: r.get("agree_ms")),
+        "one_death_repaired_s": fit_log(rows, lambda r: r["deaths"][0]["repaired_s"]
+                                        if r.get("deaths") else None)}
+    path = write_json("ulfm_scaling.json", {"machine": machine(), "detect_s": args.detect_s,
+                                            "iters": args.iters, "rows": rows, "fits": fits})
+    print(json.dumps(fits, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
