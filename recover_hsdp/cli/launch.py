@@ -166,7 +166,10 @@ def _launcher(args: argparse.Namespace, job, ranks: int) -> list[str]:
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **OFFLINE}
     timeouts = job.recover.timeouts
     preconnect = ranks <= timeouts.preconnect_max_ranks
-    extra = [] if args.stock else [*heartbeat_detector_args(timeouts.detect_s, preconnect),
+    # Open MPI starts with the start-up margin; each rank tightens it once steady ([Note:
+    # Open MPI's detector timeout by phase] in collectives/detector.py)
+    extra = [] if args.stock else [*heartbeat_detector_args(timeouts.detect_s, preconnect,
+                                                            timeouts.slow_phase_s),
                                    *daemon_keepalive_args(job.recover.tiers.daemon_keepalive_s)]
     if gpus:
         env[GPUS_PER_NODE_ENV] = str(gpus)

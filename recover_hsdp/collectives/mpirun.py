@@ -113,9 +113,14 @@ def check_transport(transport: str, mpirun: str | None = None, find_library=None
                          "\"tcp\"")
 
 
-def heartbeat_detector_args(timeout_s: float = 4.0, preconnect: bool = True) -> list[str]:
+def heartbeat_detector_args(timeout_s: float = 4.0, preconnect: bool = True,
+                            start_timeout_s: float | None = None) -> list[str]:
     """MCA flags of Open MPI's heartbeat failure detector, on its own thread
     (``recover.timeouts.detect_s``).
+
+    ``start_timeout_s`` (``recover.timeouts.slow_phase_s``): the timeout Open MPI starts with;
+    each rank lowers its own to ``timeout_s`` once steady ([Note: Open MPI's detector timeout by
+    phase] in collectives/detector.py). The period stays ``timeout_s / 4``. Default ``timeout_s``.
 
     Each rank beats to a neighbour every ``timeout_s / 4`` seconds; one silent for ``timeout_s`` is
     declared dead, so a frozen process or a host lost without a connection reset becomes an ordinary
@@ -140,9 +145,10 @@ def heartbeat_detector_args(timeout_s: float = 4.0, preconnect: bool = True) -> 
     """
     if timeout_s <= 0:
         return []
+    start = max(timeout_s, start_timeout_s or timeout_s)
     return ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
             "--mca", "mpi_ft_detector_period", f"{timeout_s / 4:g}",
-            "--mca", "mpi_ft_detector_timeout", f"{timeout_s:g}",
+            "--mca", "mpi_ft_detector_timeout", f"{start:g}",
             "--mca", "mpi_ft_propagator_with_rbcast", "true",
             *(["--mca", "mpi_preconnect_mpi", "true"] if preconnect else [])]
 

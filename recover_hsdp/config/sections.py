@@ -84,13 +84,14 @@ class Timeouts:
     (mpirun flags)."""
 
     slow_phase_s: float = 30.0
-    """The replica heartbeat's silence bound while a rank is in a phase allowed to be slow (its
+    """Both liveness signals' silence bound while a rank is in a phase allowed to be slow (its
     start-up until the first committed step, a checkpoint save or load, a rejoin's transfer):
-    [Note: detection margins by phase] in groups/heartbeat.py. ``detect_s`` applies once the rank
-    is in steady state. A dead process is still found at once (its sockets close) and a silent
-    host by Open MPI's detector at ``detect_s``; only a frozen peer on the same host during such
-    a phase waits this long. Default 30 s: above the longest beat gap measured at a loaded
-    start-up (docs/failures.md), far below ``hang_s``."""
+    [Note: detection margins by phase] in groups/heartbeat.py. Open MPI's detector is launched
+    with it and each rank lowers its own to ``detect_s`` once steady ([Note: Open MPI's detector
+    timeout by phase] in collectives/detector.py). A dead process is still found at once (its
+    sockets close); a frozen rank or a silent host during such a phase waits this long. Default
+    30 s: above the longest beat gap measured at a loaded start-up (docs/failures.md), far below
+    ``hang_s``."""
 
     preconnect_max_ranks: int = 512
     """Jobs of at most this many ranks open every MPI connection inside MPI_Init

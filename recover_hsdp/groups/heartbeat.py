@@ -27,17 +27,26 @@ ranks, ``benchmarks/false_detection_bench.py``, docs/failures.md "False deaths")
   ``recover.timeouts.preconnect_max_ranks``, the repair spreads its claim by agreement (a bcast
   there crashed survivors while an accused rank was aborted), and an attempt that still ends
   before its first step through such a detection keeps its hosts and is relaunched with both
-  margins doubled ([Note: the relaunch tier] in cli/relaunch.py). Open MPI's timeout itself
-  cannot follow the phase: it is a read-only MCA variable copied into a static struct at
-  MPI_Init, so it is ``detect_s`` in every phase and steady-state detection is unchanged.
+  margins doubled ([Note: the relaunch tier] in cli/relaunch.py). And its timeout follows the
+  phase: Open MPI is launched with ``slow_phase_s`` and each rank writes ``detect_s`` into its
+  own detector once steady, ``slow_phase_s`` again for a slow phase ([Note: Open MPI's detector
+  timeout by phase] in collectives/detector.py; ``LivenessPhase`` in groups/liveness.py tells
+  both signals). Open MPI adds its own start-up slack (timeout + 1 + log(ranks) s before the
+  first check), so nothing is suspected in the first ~2 x ``slow_phase_s`` of a start.
 * This heartbeat's thread needs the GIL; a main thread that holds it in one long C call (a model
   build, a checkpoint load, the first step's allocations on a loaded host) silences it. So it
   knows the phase: a rank in a phase allowed to be slow (start-up until its first committed
   step, a checkpoint save or load, a rejoin's transfer: ``slow_phase``/``steady``) says so in
   every beat, and a peer is given ``slow_timeout_s`` (``recover.timeouts.slow_phase_s``) while
-  its last beat said so or while this rank is slow itself; ``timeout_s`` otherwise. The cost: a
-  frozen peer in such a phase is found after ``slow_timeout_s``; a dead one at once (its sockets
-  close); a silent host at ``detect_s`` (Open MPI's detector).
+  its last beat said so or while this rank is slow itself; ``timeout_s`` otherwise.
+
+Why a phase and not a timeout learned from beat gaps (as [Note: a hang bound from progress]
+does for hangs): the gaps that cost deaths come in bursts that no steady-state history predicts
+(a start-up's imports and wire-up, a checkpoint's write), and the phase is known exactly where
+they happen; a learned bound would also have to be agreed by the observer and the observed. The
+cost: a frozen rank or a silent host in such a phase is found after ``slow_phase_s`` (plus Open
+MPI's start-up slack before the first step), not ``detect_s``; a dead process at once (its
+sockets close), in every phase.
 
 Standard library only; the logic (``received``, ``overdue``) takes the time as an argument, so
 tests drive it with a fake clock.

@@ -29,6 +29,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
 from recover_hsdp import certificates
+from recover_hsdp.collectives.guard import log_line
 from recover_hsdp.collectives.mpirun import job_environment
 from recover_hsdp.collectives.ranks import job_communicator
 from recover_hsdp.collectives.processes import write_registry
@@ -36,6 +37,7 @@ from recover_hsdp.config import validate
 from recover_hsdp.errors import ConfigError, one_line
 from recover_hsdp.faults import Phase
 from recover_hsdp.groups.bootstrap import NEWCOMER_ENV, bootstrap_replica, newcomer_placement
+from recover_hsdp.groups.liveness import build_liveness
 from recover_hsdp.groups.replica_group import init_replica_group
 from recover_hsdp.recovery.fingerprint import state_fingerprint
 from recover_hsdp.recovery.staging import HostStaging, to_host
@@ -211,6 +213,12 @@ class RecoverTrainer(Trainer):
         # as a unit] (groups/replica_group.py)
         self.replica_group = init_replica_group(self.replica_world, self.job_config,
                                                 lambda: getattr(self, "step", 0))
+        from recover_hsdp.collectives import MPI
+
+        timeouts = self.job_config.recover.timeouts
+        self.liveness = build_liveness(self.replica_group.heartbeat, timeouts.detect_s,
+                                       timeouts.slow_phase_s, rank=MPI.COMM_WORLD.Get_rank(),
+                                       size=MPI.COMM_WORLD.Get_size(), log=log_line)
         if not self._joining:  # the replica's group exists, the model does not yet
             self._faults.at(0, Phase.STARTUP)
         parallelism = self.job_config.parallelism  # [Note: replica layout] (config/checks.py)
@@ -224,10 +232,9 @@ class RecoverTrainer(Trainer):
     # ---------------------------------------------------------------- one step
 
     def _slow_phase(self):
-        """A phase allowed to be slow for the replica heartbeat ([Note: detection margins by
-        phase] in groups/heartbeat.py); nothing without one."""
-        beat = self.replica_group.heartbeat
-        return beat.slow_phase() if beat is not None else contextlib.nullcontext()
+        """A phase allowed to be slow for both liveness signals ([Note: detection margins by
+        phase] in groups/heartbeat.py; groups/liveness.py)."""
+        return self.liveness.slow_phase()
 
     def train_step(self, data_iterator) -> None:
         with self._slow_phase():  # a rejoin's transfer
@@ -243,8 +250,7 @@ class RecoverTrainer(Trainer):
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         record = self.manager.step(self.step, self)
-        if self.replica_group.heartbeat is not None:  # committed: start-up is over
-            self.replica_group.heartbeat.steady()
+        self.liveness.steady()  # committed: start-up is over
         self.dataloader.consume(self.step, self.manager.committed_data)
         record["lr"] = lr
         record["train_step_s"] = time.perf_counter() - started

@@ -32,11 +32,13 @@ class Job:
         return found
 
 
-def run_mpi(nprocs: int, program: str, args: list[str], out_dir: Path, timeout_s: float) -> Job:
-    """Run ``python tests/collectives/mpi_programs/<program> args...`` on ``nprocs`` ULFM ranks."""
+def run_mpi(nprocs: int, program: str, args: list[str], out_dir: Path, timeout_s: float,
+            extra: list[str] = ()) -> Job:
+    """Run ``python tests/collectives/mpi_programs/<program> args...`` on ``nprocs`` ULFM ranks
+    (``extra``: more mpirun arguments)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    cmd = mpirun_prefix(nprocs, env={"PYTHONPATH": env["PYTHONPATH"]}) + [
+    cmd = mpirun_prefix(nprocs, env={"PYTHONPATH": env["PYTHONPATH"]}, extra=list(extra)) + [
         sys.executable, str(PROGRAMS / program), *args]
     log = out_dir / "mpirun.log"
     t0 = time.monotonic()
