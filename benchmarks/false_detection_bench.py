@@ -45,12 +45,42 @@ SETTINGS = {"before": ["--recover.timeouts.preconnect_max_ranks", "0",
 MISSED = re.compile(r"MISSED my SEND \d+ deadline by ([0-9.e+-]+)")
 COUNTS = {"missed_send": "MISSED my SEND", "suspected": "now suspected dead",
           "aborted_live": "reported dead by someone else", "heartbeat_leaves": "(replica heartbeat)",
-          "relaunches": "recover-hsdp: relaunch "}
+          "relaunches": "recover-hsdp: relaunch ",
+          "segfaults": "Signal: Segmentation fault", "null_jumps": "Failing at address: (nil)"}
+SUSPECTED = re.compile(r"^\[([\w.-]+):\d+\].*proc (\d+) now suspected dead", re.M)
+ABORTED = re.compile(r"^\[([\w.-]+):\d+\].*reported dead by someone else", re.M)
+FALSE = ("false_suspected", "false_aborted", "false_heartbeat_leaves")
+CLOSED = "Process group destroyed"  # TorchTitan's close, after the last step
+SUMMARY = re.compile(r"^recover-hsdp: \d+ steps, final loss", re.M)
+
+
+def false_deaths(text: str, hosts: list[list[str]], cut: bool) -> dict:
+    """Live ranks taken for dead, from the log: Open MPI's suspicions and its aborts of an
+    accused rank, and the replica heartbeat's leaves, until the last attempt's ranks close their
+    groups after the last step (ranks that exit then are not failures). ``hosts``: each
+    attempt's MPI rank -> host. With ``cut``: a suspicion of a rank on node 2 (the cut one), and
+    an abort printed there, are the real failure, not false."""
+    end = SUMMARY.search(text)
+    text = text[:end.start()] if end else text
+    attempts = re.split(r"^\+ \S*mpirun ", text, flags=re.M)[1:] or [text]
+    closed = attempts[-1].find(CLOSED)  # the run is over: its ranks exit from here
+    if end and closed >= 0:
+        attempts[-1] = attempts[-1][:closed]
+    found = {"false_suspected": 0, "false_aborted": 0,
+             "false_heartbeat_leaves": sum(a.count("(replica heartbeat)") for a in attempts)}
+    for index, part in enumerate(attempts):
+        ranks = hosts[index] if index < len(hosts) else []
+        for host, proc in SUSPECTED.findall(part):
+            on_cut = int(proc) < len(ranks) and ranks[int(proc)].endswith("n2")
+            found["false_suspected"] += not (cut and on_cut)
+        for host in ABORTED.findall(part):
+            found["false_aborted"] += not (cut and host.endswith("n2"))
+    return found
 
 
 def one_run(index: int, setting: str, steps: int, hog: int, root: Path, cut_step: int = 0,
             checkpoint_interval: int = 0) -> dict:
-    run = root / f"{setting}-{index}"
+    run, cut_at = root / f"{setting}-{index}", cut_step
     subprocess.run(["rm", "-rf", str(run)], check=False)
     run.mkdir(parents=True)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hog)]
@@ -95,6 +125,7 @@ def one_run(index: int, setting: str, steps: int, hog: int, root: Path, cut_step
         records = [json.loads(line) for line in
                    (run / "out" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps_done = [r["step"] for r in records]
+    hosts = attempt_hosts(run)
     return {"setting": setting, "run": index, "exit": returncode,
             "completed": bool(summary.get("completed")),
             "every_step_once": steps_done == list(range(1, steps + 1)),
@@ -104,7 +135,50 @@ def one_run(index: int, setting: str, steps: int, hog: int, root: Path, cut_step
             "attempts": summary.get("attempts", 1), "wall_s": round(time.time() - started, 1),
             "first_step_at_s": round(first - started, 1) if first else None,
             "largest_send_gap_s": max(gaps, default=0.0),
-            **{name: text.count(mark) for name, mark in COUNTS.items()}}
+            **{name: text.count(mark) for name, mark in COUNTS.items()},
+            **false_deaths(text, hosts, cut=bool(cut_at))}
+
+
+def attempt_hosts(run: Path) -> list[list[str]]:
+    """Each attempt's rank -> host (the job's registry; a relaunched run keeps each earlier
+    attempt's under relaunch/attempt-K)."""
+    earlier = sorted((run / "out" / "relaunch").glob("attempt-*"),
+                     key=lambda p: int(p.name.split("-")[1]))
+    found = []
+    for procs in [*(p / "procs.json" for p in earlier), run / "out" / "procs.json"]:
+        found.append([p["host"] for p in json.loads(procs.read_text())]
+                     if procs.exists() else [])
+    return found
+
+
+def totals_of(rows: list[dict], settings: list[str]) -> dict:
+    totals = {}
+    for setting in settings:
+        mine = [r for r in rows if r["setting"] == setting]
+        totals[setting] = {
+            "runs": len(mine),
+            "runs_with_a_false_death": sum(1 for r in mine if r["false_suspected"]
+                                           or r["false_aborted"] or r["false_heartbeat_leaves"]),
+            "runs_completed_with_every_replica": sum(1 for r in mine if r["completed"]
+                                                     and r["alive_replicas"] == 3
+                                                     and r["attempts"] == 1),
+            "runs_completed_every_step_once": sum(1 for r in mine if r["completed"]
+                                                  and r["every_step_once"] and r["exit"] == 0),
+            **{name: sum(r[name] for r in mine) for name in [*COUNTS, *FALSE]},
+            "largest_send_gap_s": max((r["largest_send_gap_s"] for r in mine), default=0.0)}
+    return totals
+
+
+def reanalyse(path: Path, root: Path) -> None:
+    data = json.loads(path.read_text())
+    for row in data["runs"]:
+        run = root / f"{row['setting']}-{row['run']}"
+        text = (run / "run.log").read_text(errors="replace")
+        row.update({name: text.count(mark) for name, mark in COUNTS.items()})
+        row.update(false_deaths(text, attempt_hosts(run), cut=bool(data["args"]["cut_step"])))
+    data["totals"] = totals_of(data["runs"], data["args"]["settings"].split(","))
+    path.write_text(json.dumps(data, indent=1))
+    print(json.dumps(data["totals"], indent=1))
 
 
 def main() -> None:
@@ -117,7 +191,11 @@ def main() -> None:
     parser.add_argument("--cut-step", type=int, default=0, help="cut node 2's link after it")
     parser.add_argument("--checkpoint-interval", type=int, default=0)
     parser.add_argument("--results", default="false_detection.json")
+    parser.add_argument("--reanalyse", action="store_true",
+                        help="recount the false deaths of --results from the logs under --root")
     args = parser.parse_args()
+    if args.reanalyse:
+        return reanalyse(RESULTS / args.results, Path(args.root))
     ok, why = available()
     if not ok:
         raise SystemExit(f"needs network namespaces: {why}")
@@ -128,20 +206,7 @@ def main() -> None:
                           args.checkpoint_interval)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    totals = {}
-    for setting in args.settings.split(","):
-        mine = [r for r in rows if r["setting"] == setting]
-        totals[setting] = {
-            "runs": len(mine),
-            "runs_with_a_false_death": sum(1 for r in mine if r["suspected"] or r["aborted_live"]
-                                           or r["heartbeat_leaves"]),
-            "runs_completed_with_every_replica": sum(1 for r in mine if r["completed"]
-                                                     and r["alive_replicas"] == 3
-                                                     and r["attempts"] == 1),
-            "runs_completed_every_step_once": sum(1 for r in mine if r["completed"]
-                                                  and r["every_step_once"] and r["exit"] == 0),
-            **{name: sum(r[name] for r in mine) for name in COUNTS},
-            "largest_send_gap_s": max((r["largest_send_gap_s"] for r in mine), default=0.0)}
+    totals = totals_of(rows, args.settings.split(","))
     print(json.dumps(totals, indent=1))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / args.results).write_text(json.dumps(

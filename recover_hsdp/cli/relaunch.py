@@ -23,10 +23,11 @@ rendezvous) ends it too. Those endings are "abnormal": mpirun returned and no su
    either way ([Note: the relaunch keeps B]);
    An attempt that ended before its first step because a live rank was declared dead (Open MPI
    aborts a rank "reported dead by someone else": :func:`false_detections`) lost no host
-   through it: its hosts stay, and the next attempt gets twice the detection margin (also after
-   ranks crashed on a failure notice inside MPI_Init: :func:`init_crashes`)
-   (``detect_s`` and ``slow_phase_s``: :func:`wider_margins`, one line says so; [Note:
-   detection margins by phase] in groups/heartbeat.py);
+   through it: its hosts stay, and the next attempt gets twice the start-up margin
+   (``slow_phase_s``: :func:`wider_margins`, one line says so; [Note: detection margins by
+   phase] in groups/heartbeat.py); an attempt whose ranks crashed inside MPI_Init (Open MPI's
+   start-up race: :func:`init_crashes`) is relaunched as it was; neither counts against
+   ``max_relaunches`` (up to 3);
    injected ``--fault`` specs that fired stay with their attempt, the others go on
    (:func:`unfired_faults`);
 4. at most ``recover.tiers.max_relaunches`` times; every relaunch is a record in events.jsonl
@@ -180,8 +181,11 @@ def false_detections(log_text: str, progressed: bool) -> int:
 
 def init_crashes(log_text: str, progressed: bool) -> int:
     """Ranks that crashed handling a failure notice inside MPI_Init (Open MPI revokes a
-    communicator that does not exist yet), in an attempt that made no step: a detection
-    during MPI_Init, true or false, ends the attempt; a wider margin makes a false one rarer."""
+    communicator that does not exist yet), in an attempt that made no step. The notice is
+    Open MPI's start-up race (docs/ULFM_NOTES.md "The detector at start-up"): a rank's detector
+    thread sends its first heartbeat in the middle of its MPI_Init, and an observer that has
+    not yet registered the receiver calls a NULL callback ("Failing at address: (nil)"); every
+    other rank then crashes on that failure notice. No margin changes it."""
     return 0 if progressed else log_text.count(_INIT_CRASH)
 
 
@@ -193,18 +197,24 @@ def margin_overrides(detect_s: float, slow_phase_s: float) -> list[str]:
 
 def wider_margins(detect_s: float, slow_phase_s: float, found: int,
                   crashed: int = 0) -> tuple[list[str], str]:
-    """The next attempt's overrides after ``found`` false detections (or ``crashed`` ranks in
-    MPI_Init: :func:`init_crashes`) before the first step: both margins doubled, and the one
-    line the launcher prints."""
+    """The next attempt's overrides after ``found`` false detections or ``crashed`` ranks in
+    MPI_Init (:func:`init_crashes`) before the first step, and the one line the launcher
+    prints. Before its first step a rank is in its start-up phase, under ``slow_phase_s`` for
+    both signals ([Note: detection margins by phase]): a false detection doubles that margin
+    and leaves ``detect_s``, the steady-state bound, as it is. A crash inside MPI_Init is
+    relaunched with the margins unchanged (no margin reaches it)."""
     if not (found or crashed) or detect_s <= 0:
         return [], ""
-    wider = (2 * detect_s, 2 * max(slow_phase_s, detect_s))
-    what = (f"{found} live rank(s) were declared dead before the first step (a detection, not "
-            "a lost host)" if found else
-            f"{crashed} rank(s) crashed on a failure notice inside MPI_Init")
-    return (margin_overrides(*wider),
-            f"recover-hsdp: {what}: the relaunch widens recover.timeouts.detect_s "
-            f"{detect_s:g} -> {wider[0]:g} s and slow_phase_s {slow_phase_s:g} -> {wider[1]:g} s")
+    slow = max(slow_phase_s, detect_s)
+    if not found:
+        return (margin_overrides(detect_s, slow),
+                f"recover-hsdp: {crashed} rank(s) crashed on a failure notice inside MPI_Init "
+                "(Open MPI's start-up race, not a lost host): relaunched with the same margins")
+    return (margin_overrides(detect_s, 2 * slow),
+            f"recover-hsdp: {found} live rank(s) were declared dead before the first step (a "
+            "detection, not a lost host): the relaunch widens the start-up margin "
+            f"recover.timeouts.slow_phase_s {slow_phase_s:g} -> {2 * slow:g} s (detect_s "
+            f"{detect_s:g} s, the steady-state bound, unchanged)")
 
 
 def ends_the_same_way(start_records: dict[int, dict], progressed: bool,

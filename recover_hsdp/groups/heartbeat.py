@@ -26,8 +26,9 @@ ranks, ``benchmarks/false_detection_bench.py``, docs/failures.md "False deaths")
   import (``recover_hsdp/train.py``), connections open inside MPI_Init for jobs up to
   ``recover.timeouts.preconnect_max_ranks``, the repair spreads its claim by agreement (a bcast
   there crashed survivors while an accused rank was aborted), and an attempt that still ends
-  before its first step through such a detection keeps its hosts and is relaunched with both
-  margins doubled ([Note: the relaunch tier] in cli/relaunch.py). And its timeout follows the
+  before its first step through such a detection keeps its hosts and is relaunched with twice
+  ``slow_phase_s`` ([Note: the relaunch tier] in cli/relaunch.py; a crash inside MPI_Init,
+  Open MPI's start-up race, is relaunched as it was). And its timeout follows the
   phase: Open MPI is launched with ``slow_phase_s`` and each rank writes ``detect_s`` into its
   own detector once steady, ``slow_phase_s`` again for a slow phase ([Note: Open MPI's detector
   timeout by phase] in collectives/detector.py; ``LivenessPhase`` in groups/liveness.py tells

@@ -296,8 +296,8 @@ def test_false_detection_at_start_up_widens_the_margins_and_loses_no_host(tmp_pa
                                                                            capsys):
     """An attempt that ended before its first step because Open MPI aborted two live ranks it
     had been told were dead ([Note: detection margins by phase]): the hosts of the aborted ranks
-    stay, the next attempt gets twice detect_s and slow_phase_s (one line), and a later relaunch
-    keeps them."""
+    stay, the next attempt gets twice the start-up margin slow_phase_s and the same detect_s
+    (one line), and a later relaunch keeps them."""
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     out.mkdir()
     hostfile = tmp_path / "hosts"
@@ -325,14 +325,14 @@ def test_false_detection_at_start_up_widens_the_margins_and_loses_no_host(tmp_pa
     second, third = job.commands[1], job.commands[2]
     # a fault fires once per run: kept by the relaunch after the start-up, fired in attempt 2
     assert second.fault == ["replica=1,step=2,phase=grad_sync"] and third.fault == []
-    assert second.overrides[-4:] == ["--recover.timeouts.detect_s", "8",
+    assert second.overrides[-4:] == ["--recover.timeouts.detect_s", "4",
                                      "--recover.timeouts.slow_phase_s", "60"]
     assert Path(second.hostfile).read_text().split()[::2] == [f"10.0.0.{i}" for i in (1, 2, 3, 4)]
     assert "2 live rank(s) were declared dead before the first step" in capsys.readouterr().out
     assert third.overrides[-4:] == second.overrides[-4:]          # kept by the next relaunch
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     first = [e for e in events if e.get("phase") == "relaunch"][0]
-    assert first["lost_hosts"] == {} and (first["detect_s"], first["slow_phase_s"]) == (8, 60)
+    assert first["lost_hosts"] == {} and (first["detect_s"], first["slow_phase_s"]) == (4, 60)
 
 
 def test_driver_gives_up_after_max_relaunches(tmp_path, monkeypatch, capsys):
@@ -500,12 +500,15 @@ def test_a_host_slow_to_answer_once_is_asked_again_before_it_is_lost(tmp_path):
     assert answers == {"slow": "name-slow", "dead": None}
 
 
-def test_ranks_crashed_inside_mpi_init_widen_the_margins():
+def test_ranks_crashed_inside_mpi_init_are_relaunched_with_the_same_margins():
     crash = ("[n0:21240] [ 1] /x/libmpi.so.40(ompi_comm_revoke_local+0x3f)[0x7ffac76745df]\n"
              "[n1:21272] [ 1] /x/libmpi.so.40(ompi_comm_revoke_local+0x3f)[0x7ff05b6745df]\n")
     assert relaunch.init_crashes(crash, progressed=False) == 2
     assert relaunch.init_crashes(crash, progressed=True) == 0
     overrides, line = relaunch.wider_margins(4.0, 30.0, 0, crashed=2)
-    assert overrides == ["--recover.timeouts.detect_s", "8", "--recover.timeouts.slow_phase_s",
-                         "60"] and "2 rank(s) crashed on a failure notice inside MPI_Init" in line
+    assert overrides == ["--recover.timeouts.detect_s", "4", "--recover.timeouts.slow_phase_s",
+                         "30"] and "2 rank(s) crashed on a failure notice inside MPI_Init" in line
+    assert "same margins" in line
+    overrides, line = relaunch.wider_margins(4.0, 30.0, 1, crashed=2)  # a false detection too
+    assert overrides[1::2] == ["4", "60"] and "slow_phase_s 30 -> 60 s" in line
     assert relaunch.wider_margins(4.0, 30.0, 0) == ([], "")
