@@ -50,6 +50,7 @@ COUNTS = {"missed_send": "MISSED my SEND", "suspected": "now suspected dead",
 SUSPECTED = re.compile(r"^\[([\w.-]+):\d+\].*proc (\d+) now suspected dead", re.M)
 ABORTED = re.compile(r"^\[([\w.-]+):\d+\].*reported dead by someone else", re.M)
 FALSE = ("false_suspected", "false_aborted", "false_heartbeat_leaves")
+TAGGED = re.compile(r"^\[([\w.-]+):\d+\] \[\[\d+,\d+\],(\d+)\]", re.M)
 CLOSED = "Process group destroyed"  # TorchTitan's close, after the last step
 SUMMARY = re.compile(r"^recover-hsdp: \d+ steps, final loss", re.M)
 
@@ -58,8 +59,9 @@ def false_deaths(text: str, hosts: list[list[str]], cut: bool) -> dict:
     """Live ranks taken for dead, from the log: Open MPI's suspicions and its aborts of an
     accused rank, and the replica heartbeat's leaves, until the last attempt's ranks close their
     groups after the last step (ranks that exit then are not failures). ``hosts``: each
-    attempt's MPI rank -> host. With ``cut``: a suspicion of a rank on node 2 (the cut one), and
-    an abort printed there, are the real failure, not false."""
+    attempt's job rank -> host (the registry), corrected by what Open MPI's lines print (MPI
+    rank -> host: they differ under ``--rank-by node``). With ``cut``: a suspicion of a rank on
+    node 2 (the cut one), and an abort printed there, are the real failure, not false."""
     end = SUMMARY.search(text)
     text = text[:end.start()] if end else text
     attempts = re.split(r"^\+ \S*mpirun ", text, flags=re.M)[1:] or [text]
@@ -69,9 +71,10 @@ def false_deaths(text: str, hosts: list[list[str]], cut: bool) -> dict:
     found = {"false_suspected": 0, "false_aborted": 0,
              "false_heartbeat_leaves": sum(a.count("(replica heartbeat)") for a in attempts)}
     for index, part in enumerate(attempts):
-        ranks = hosts[index] if index < len(hosts) else []
+        ranks = dict(enumerate(hosts[index] if index < len(hosts) else []))
+        ranks.update({int(r): h for h, r in TAGGED.findall(part)})  # MPI rank -> host, as printed
         for host, proc in SUSPECTED.findall(part):
-            on_cut = int(proc) < len(ranks) and ranks[int(proc)].endswith("n2")
+            on_cut = ranks.get(int(proc), "").endswith("n2")
             found["false_suspected"] += not (cut and on_cut)
         for host in ABORTED.findall(part):
             found["false_aborted"] += not (cut and host.endswith("n2"))
@@ -79,7 +82,7 @@ def false_deaths(text: str, hosts: list[list[str]], cut: bool) -> dict:
 
 
 def one_run(index: int, setting: str, steps: int, hog: int, root: Path, cut_step: int = 0,
-            checkpoint_interval: int = 0) -> dict:
+            checkpoint_interval: int = 0, rank_by_node: bool = False) -> dict:
     run, cut_at = root / f"{setting}-{index}", cut_step
     subprocess.run(["rm", "-rf", str(run)], check=False)
     run.mkdir(parents=True)
@@ -88,7 +91,8 @@ def one_run(index: int, setting: str, steps: int, hog: int, root: Path, cut_step
     try:
         with NetnsCluster(3, prefix=f"fdb{index % 10}{setting[0]}",
                           subnet=f"10.236.{index % 200 + (0 if setting == 'before' else 50)}") as c:
-            mpi = [*c.mpirun_args(), "--map-by", "ppr:3:node", "--mca", "mpi_ft_verbose", "1"]
+            mpi = [*c.mpirun_args(), "--map-by", "ppr:3:node", "--mca", "mpi_ft_verbose", "1",
+                   *(["--rank-by", "node"] if rank_by_node else [])]
             argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config",
                     str(CONFIG), "--replicas", "3", "--ranks-per-replica", "3", "--out",
                     str(run / "out"), "--end-grace", "10", *[f"--mpi-arg={a}" for a in mpi], "--",
@@ -190,6 +194,9 @@ def main() -> None:
     parser.add_argument("--root", default="/tmp/recover_hsdp_false_detection")
     parser.add_argument("--cut-step", type=int, default=0, help="cut node 2's link after it")
     parser.add_argument("--checkpoint-interval", type=int, default=0)
+    parser.add_argument("--rank-by-node", action="store_true",
+                        help="MPI ranks numbered round-robin over the nodes ([Note: "
+                             "host-interleaved ranks])")
     parser.add_argument("--results", default="false_detection.json")
     parser.add_argument("--reanalyse", action="store_true",
                         help="recount the false deaths of --results from the logs under --root")
@@ -203,7 +210,7 @@ def main() -> None:
     for index in range(args.runs):
         for setting in args.settings.split(","):
             row = one_run(index, setting, args.steps, args.hog, Path(args.root), args.cut_step,
-                          args.checkpoint_interval)
+                          args.checkpoint_interval, args.rank_by_node)
             rows.append(row)
             print(json.dumps(row), flush=True)
     totals = totals_of(rows, args.settings.split(","))
