@@ -52,16 +52,19 @@ ABORTED = re.compile(r"^\[([\w.-]+):\d+\].*reported dead by someone else", re.M)
 FALSE = ("false_suspected", "false_aborted", "false_heartbeat_leaves")
 TAGGED = re.compile(r"^\[([\w.-]+):\d+\] \[\[\d+,\d+\],(\d+)\]", re.M)
 CLOSED = "Process group destroyed"  # TorchTitan's close, after the last step
+ENDING = "ending mpirun"  # the launcher ends an attempt to relaunch it
 SUMMARY = re.compile(r"^recover-hsdp: \d+ steps, final loss", re.M)
 
 
-def false_deaths(text: str, hosts: list[list[str]], cut: bool) -> dict:
+def false_deaths(text: str, hosts: list[list[str]], cut: bool, round_robin: bool = False) -> dict:
     """Live ranks taken for dead, from the log: Open MPI's suspicions and its aborts of an
     accused rank, and the replica heartbeat's leaves, until the last attempt's ranks close their
     groups after the last step (ranks that exit then are not failures). ``hosts``: each
     attempt's job rank -> host (the registry), corrected by what Open MPI's lines print (MPI
-    rank -> host: they differ under ``--rank-by node``). With ``cut``: a suspicion of a rank on
-    node 2 (the cut one), and an abort printed there, are the real failure, not false."""
+    rank -> host: they differ under ``--rank-by node``, where the first attempt's MPI rank r is
+    on node r mod 3). With ``cut``: a suspicion of a rank on node 2 (the cut one), and an abort
+    printed there, are the real failure, not false; so is what follows the launcher ending an
+    attempt to relaunch it (its ranks are ended)."""
     end = SUMMARY.search(text)
     text = text[:end.start()] if end else text
     attempts = re.split(r"^\+ \S*mpirun ", text, flags=re.M)[1:] or [text]
@@ -71,7 +74,11 @@ def false_deaths(text: str, hosts: list[list[str]], cut: bool) -> dict:
     found = {"false_suspected": 0, "false_aborted": 0,
              "false_heartbeat_leaves": sum(a.count("(replica heartbeat)") for a in attempts)}
     for index, part in enumerate(attempts):
+        ended = part.find(ENDING)
+        part = part[:ended] if ended >= 0 else part
         ranks = dict(enumerate(hosts[index] if index < len(hosts) else []))
+        if round_robin and index == 0:
+            ranks = {r: f"n{r % 3}" for r in range(len(ranks))}
         ranks.update({int(r): h for h, r in TAGGED.findall(part)})  # MPI rank -> host, as printed
         for host, proc in SUSPECTED.findall(part):
             on_cut = ranks.get(int(proc), "").endswith("n2")
@@ -140,7 +147,7 @@ def one_run(index: int, setting: str, steps: int, hog: int, root: Path, cut_step
             "first_step_at_s": round(first - started, 1) if first else None,
             "largest_send_gap_s": max(gaps, default=0.0),
             **{name: text.count(mark) for name, mark in COUNTS.items()},
-            **false_deaths(text, hosts, cut=bool(cut_at))}
+            **false_deaths(text, hosts, cut=bool(cut_at), round_robin=rank_by_node)}
 
 
 def attempt_hosts(run: Path) -> list[list[str]]:
@@ -179,7 +186,8 @@ def reanalyse(path: Path, root: Path) -> None:
         run = root / f"{row['setting']}-{row['run']}"
         text = (run / "run.log").read_text(errors="replace")
         row.update({name: text.count(mark) for name, mark in COUNTS.items()})
-        row.update(false_deaths(text, attempt_hosts(run), cut=bool(data["args"]["cut_step"])))
+        row.update(false_deaths(text, attempt_hosts(run), cut=bool(data["args"]["cut_step"]),
+                                round_robin=data["args"].get("rank_by_node", False)))
     data["totals"] = totals_of(data["runs"], data["args"]["settings"].split(","))
     path.write_text(json.dumps(data, indent=1))
     print(json.dumps(data["totals"], indent=1))

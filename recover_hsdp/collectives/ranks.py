@@ -11,7 +11,10 @@ together, one ``detect_s`` after the loss (measured: 4.2 and 5.1 s). That number
 not the launcher's default: in 1 of its 3 measured runs an attempt ended at start-up (relaunched,
 then completed; a second run ended in an event the bench did not expect, its kind not kept),
 none in the one host-by-host run; too few runs to tell, and a start-up lost is what [Note:
-detection margins by phase] fights, so the default stays mpirun's until it is.
+detection margins by phase] fights, so the default stays mpirun's until it is. Measured again
+once both detectors had their start-up margin (benchmarks/README.md "False deaths", issue 35's
+cut run with ``--rank-by-node``, 5 runs): no attempt of 10 lost at start-up, the cut node found
+in 4.1-4.8 s; still opt-in (a default that changes every multi-host launch wants more runs).
 
 The project keeps its own order, replica-major ([Note: replica layout] in config/checks.py:
 replica r's shard s is rank r x S + s): :func:`replica_major_keys` rebuilds it from where the
