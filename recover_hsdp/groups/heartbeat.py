@@ -32,8 +32,12 @@ ranks, ``benchmarks/false_detection_bench.py``, docs/failures.md "False deaths")
   phase: Open MPI is launched with ``slow_phase_s`` and each rank writes ``detect_s`` into its
   own detector once steady, ``slow_phase_s`` again for a slow phase ([Note: Open MPI's detector
   timeout by phase] in collectives/detector.py; ``LivenessPhase`` in groups/liveness.py tells
-  both signals). Open MPI adds its own start-up slack (timeout + 1 + log(ranks) s before the
-  first check), so nothing is suspected in the first ~2 x ``slow_phase_s`` of a start.
+  both signals). Open MPI adds its own start-up slack (its first deadline is timeout + 1 +
+  log(ranks) s away), so a rank that has not beaten at all is suspected no sooner than ~2 x
+  ``slow_phase_s`` after its observer started. Measured with both (benchmarks/README.md "False
+  deaths"): no attempt of 26 on 3 loaded namespace nodes had a false detection before its first
+  commit; in steady state a host 5x oversubscribed still had one (``detect_s`` is the user's
+  trade).
 * This heartbeat's thread needs the GIL; a main thread that holds it in one long C call (a model
   build, a checkpoint load, the first step's allocations on a loaded host) silences it. So it
   knows the phase: a rank in a phase allowed to be slow (start-up until its first committed
