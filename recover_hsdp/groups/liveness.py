@@ -72,12 +72,14 @@ def build_liveness(heartbeat, detect_s: float, slow_phase_s: float, *, rank: int
     from recover_hsdp.collectives.detector import locate
 
     detector, why = locate(rank, size) if detect_s > 0 else (None, "")
-    if detector is not None and log is not None and rank == 0:
-        log(f"Open MPI's detector timeout: {max(slow_phase_s, detect_s):g} s while starting and "
-            f"in slow phases, {detect_s:g} s once steady ([Note: Open MPI's detector timeout by "
-            "phase])")
-    if why and log is not None and rank == 0:
-        log(f"Open MPI's detector timeout stays at its launch value: {why}; a silent host is "
-            f"found after that, not recover.timeouts.detect_s={detect_s:g} "
-            "([Note: Open MPI's detector timeout by phase])")
-    return LivenessPhase(heartbeat, detector, detect_s=detect_s, slow_phase_s=slow_phase_s)
+    phase = LivenessPhase(heartbeat, detector, detect_s=detect_s, slow_phase_s=slow_phase_s)
+    if log is not None and rank == 0:
+        if detector is not None:
+            log(f"Open MPI's detector timeout: {phase.slow_phase_s:g} s while starting and in "
+                f"slow phases, {detect_s:g} s once steady ([Note: Open MPI's detector timeout "
+                "by phase])")
+        elif why:
+            log(f"Open MPI's detector timeout stays at its launch value: {why}; a silent host "
+                f"is found after that, not recover.timeouts.detect_s={detect_s:g} ([Note: Open "
+                "MPI's detector timeout by phase])")
+    return phase
