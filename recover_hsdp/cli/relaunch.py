@@ -181,11 +181,12 @@ def false_detections(log_text: str, progressed: bool) -> int:
 
 def init_crashes(log_text: str, progressed: bool) -> int:
     """Ranks that crashed handling a failure notice inside MPI_Init (Open MPI revokes a
-    communicator that does not exist yet), in an attempt that made no step. The notice is
-    Open MPI's start-up race (docs/ULFM_NOTES.md "The detector at start-up"): a rank's detector
-    thread sends its first heartbeat in the middle of its MPI_Init, and an observer that has
-    not yet registered the receiver calls a NULL callback ("Failing at address: (nil)"); every
-    other rank then crashes on that failure notice. No margin changes it."""
+    communicator that does not exist yet), in an attempt that made no step. Seen as Open MPI's
+    start-up crash (docs/ULFM_NOTES.md "The detector at start-up"): one rank jumps to a NULL
+    pointer ("Failing at address: (nil)"), every other rank crashes on its failure notice;
+    the likely cause, from the source and not reproduced, is a rank's detector thread sending
+    its first heartbeat in the middle of MPI_Init to an observer that has not yet registered
+    the receiver. No margin changes it."""
     return 0 if progressed else log_text.count(_INIT_CRASH)
 
 
