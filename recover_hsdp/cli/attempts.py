@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from recover_hsdp import handshake
+from recover_hsdp import handshake, host_files
 from recover_hsdp.cli import hosts as remote
 from recover_hsdp.cli import relaunch, slurm
 from recover_hsdp.cli.hostfile import HostEntry, format_hostfile, read_hostfile
@@ -113,15 +113,25 @@ class Job:
     per_host: int | None          # ranks per host of the GPU layout, else None
     initial_replicas: int         # W_init of the batch contract ([Note: the relaunch keeps B])
     checkpoints: Path | None      # the DCP folder
+    memory_root: Path | None      # the job's host-memory folder on every host, None: off
     max_relaunches: int
     margins: tuple[float, float]  # the first attempt's detect_s, slow_phase_s
     fired: list[dict] = dataclasses.field(default_factory=list)  # faults_fired.jsonl, all attempts
+    lost: dict[str, str] = dataclasses.field(default_factory=dict)  # hosts lost so far
 
 
 def train_with_relaunch(args: argparse.Namespace, build_job, supervise, env: dict) -> int:
     """Run ``recover-hsdp train`` attempts until one completes ([Note: the relaunch tier]).
-    Returns the launcher's exit code."""
+    Returns the launcher's exit code. The job's host-memory state is removed from every host
+    it reaches when this returns or raises ([Note: host-memory state])."""
     job, command = prepare_job(args, build_job, supervise, env)
+    try:
+        return _attempts(job, command)
+    finally:
+        _remove_host_state(job)
+
+
+def _attempts(job: Job, command: list[str]) -> int:
     records: list[relaunch.RelaunchRecord] = []
     while True:
         result = run_attempt(job, command, records)
@@ -157,6 +167,7 @@ def prepare_job(args: argparse.Namespace, build_job, supervise, env: dict
               f"in {args.hostfile}", flush=True)
     command, out, config = build_job(args)
     rc = config.recover
+    memory = rc.tiers.memory_snapshot_interval > 0
     ranks_per_replica = args.ranks_per_replica or rc.ranks_per_replica
     job = Job(
         args, build_job, supervise, env, out,
@@ -168,10 +179,13 @@ def prepare_job(args: argparse.Namespace, build_job, supervise, env: dict
         initial_replicas=initial_replica_count(rc.initial_replicas, args.replicas),
         checkpoints=(Path(config.job.dump_folder) / config.checkpoint.folder
                      if config.checkpoint.enable else None),
+        memory_root=(host_files.job_root(rc.tiers.memory_snapshot_dir, out) if memory else None),
         max_relaunches=rc.tiers.max_relaunches,
         margins=(rc.timeouts.detect_s, rc.timeouts.slow_phase_s))
     _fresh_outputs(out)
-    cost = relaunch.node_loss_cost(job.checkpoints is not None, job.max_relaunches)
+    _remove_host_state(job)  # an earlier run's, in the same output folder
+    cost = relaunch.node_loss_cost(job.checkpoints is not None, job.max_relaunches,
+                                   rc.tiers.memory_snapshot_interval)
     if cost:
         print(f"recover-hsdp: {cost}", flush=True)
     return job, command
@@ -227,6 +241,7 @@ def _judge(job: Job, records: list[relaunch.RelaunchRecord], request: RelaunchRe
     lost_before = records[-1].lost_hosts if records else {}
     new = relaunch.lost_hosts([e.name for e in entries if e.name not in lost_before], evidence)
     lost = {**lost_before, **new}
+    job.lost.update(lost)
     _end_old_job(job.agent, evidence, entries, out)
     last_step = max((s["step"] for s in _read_jsonl(out / "metrics.jsonl")),
                     default=(records[-1].resume_step if records else 0))
@@ -237,7 +252,10 @@ def _judge(job: Job, records: list[relaunch.RelaunchRecord], request: RelaunchRe
                                   _counted(records, evidence.false_detections
                                            + evidence.init_crashes,
                                            job.max_relaunches),
-                                  job.max_relaunches, hopeless)
+                                  job.max_relaunches, hopeless,
+                                  memory_step=_newest_host_state(job, lost))
+    if not isinstance(plan, str) and not plan.from_memory:
+        _remove_host_state(job)  # never mixed with an older start: [Note: host-memory state]
     _keep_attempt(out, attempt, log_text)
     job.fired += _read_jsonl(out / "faults_fired.jsonl")
     # [Note: divergence votes]: replicas that disagree with no strict majority end the job;
@@ -252,7 +270,7 @@ def _judge(job: Job, records: list[relaunch.RelaunchRecord], request: RelaunchRe
     record = relaunch.RelaunchRecord(
         attempt=attempt + 1, cause=cause, lost_hosts=lost,
         hosts=[e.name for e in plan.hosts], replicas=plan.replicas,
-        resume_step=plan.resume_step, last_step=last_step,
+        resume_step=plan.resume_step, from_memory=plan.from_memory, last_step=last_step,
         steps_lost=max(0, last_step - plan.resume_step),
         failure_at=relaunch.failure_time(evidence.events, ended_at, set(lost)),
         ended_at=ended_at, relaunched_at=time.time())
@@ -302,7 +320,9 @@ def _next_attempt(job: Job, plan: relaunch.Plan, record: relaunch.RelaunchRecord
     current.hostfile = str(_write_hostfile(job.out, record.attempt, plan.hosts)) \
         if args.hostfile else None
     current.overrides = [*args.overrides]
-    if plan.resume_step:
+    if plan.from_memory:  # [Note: host-memory state] (recovery/host_state.py)
+        current.overrides += ["--recover.tiers.resume_from_memory", str(plan.resume_step)]
+    elif plan.resume_step:
         current.overrides += ["--checkpoint.load_step", str(plan.resume_step)]
     if plan.replicas < job.initial_replicas:  # [Note: the relaunch keeps B] (relaunch.py)
         current.overrides += ["--recover.initial_replicas", str(job.initial_replicas)]
@@ -341,6 +361,26 @@ class RelaunchRequest:
         self.answers = answers
         return (f"host(s) {', '.join(silent)} lost (no answer) after step {request['step']}'s "
                 "emergency checkpoint: ending the job to relaunch from it")
+
+
+def _newest_host_state(job: Job, lost: dict[str, str]) -> int | None:
+    """The newest host-memory generation complete on the hosts not lost ([Note: host-memory
+    state]), listed over the agent; None if off or none."""
+    if job.memory_root is None:
+        return None
+    hosts = [e.name for e in job.entries if e.name not in lost]
+    listings = remote.list_host_state(job.agent, hosts, str(job.memory_root))
+    return host_files.newest_complete(
+        (host_files.parse_listing(paths) for paths in listings.values() if paths),
+        job.ranks_per_replica)
+
+
+def _remove_host_state(job: Job) -> None:
+    """The job's host-memory folder removed here and on every host not known lost (a lost
+    host cannot be reached; its memory goes with it)."""
+    if job.memory_root is not None:
+        remote.remove_host_state(job.agent, [e.name for e in job.entries
+                                             if e.name not in job.lost], str(job.memory_root))
 
 
 def _training_again(record: relaunch.RelaunchRecord, first_step: list[float]) -> None:

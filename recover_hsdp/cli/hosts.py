@@ -93,3 +93,31 @@ def kill_remote(agent: list[str], by_host: dict[str, list[tuple[int, int]]],
         answers = dict(zip(jobs, pool.map(lambda h: _remote(agent, h, jobs[h], timeout), jobs)))
     return {h: [int(p) for p in a.split() if p.isdigit()] for h, a in answers.items()
             if a is not None}
+
+
+def list_host_state(agent: list[str], hosts: list[str], root: str,
+                    timeout: float = PROBE_TIMEOUT_S) -> dict[str, list[str] | None]:
+    """host -> the host-memory files of the job under ``root`` on it, in its own host-name
+    folder ([Note: host-memory state] in recovery/host_state.py); None if it did not answer."""
+    command = f"find {shlex.quote(root)}/\"$(hostname)\" -name '*.pt' 2>/dev/null; true"
+    return _on_hosts(agent, hosts, command, timeout,
+                     lambda out: [line for line in out.splitlines() if line.strip()])
+
+
+def remove_host_state(agent: list[str], hosts: list[str], root: str,
+                      timeout: float = PROBE_TIMEOUT_S) -> dict[str, bool]:
+    """Remove the job's host-memory folder ``root`` on every host (and here); host -> done."""
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    command = f"rm -rf {shlex.quote(root)}; true"
+    return {h: out is not None
+            for h, out in _on_hosts(agent, hosts, command, timeout, lambda out: out).items()}
+
+
+def _on_hosts(agent, hosts, command, timeout, parse):
+    if not hosts:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        answers = pool.map(lambda h: _remote(agent, h, command, timeout), hosts)
+        return {h: (parse(a) if a is not None else None) for h, a in zip(hosts, answers)}

@@ -74,20 +74,26 @@ def newest_restart_point(folder: str | Path | None) -> int | None:
     return certificates.newest_restart_point(folder)
 
 
-def node_loss_cost(checkpoints: bool, max_relaunches: int) -> str | None:
+def node_loss_cost(checkpoints: bool, max_relaunches: int,
+                   memory_interval: int = 0) -> str | None:
     """What a failure the job cannot survive in place will cost it, said once at start when it
-    is more than the steps since the newest checkpoint: such a failure (a lost host, a death
+    is more than the steps since the newest saved state: such a failure (a lost host, a death
     before the world is built: [Note: the relaunch tier]) ends the run, or relaunches it from
-    step 0. None: there are checkpoints to relaunch from."""
+    step 0. None: there is host-memory state ([Note: host-memory state]) or checkpoints to
+    relaunch from."""
     what = "a failure the job cannot survive in place (a lost host, a death before the world is built)"
+    saved = checkpoints or memory_interval > 0
     if max_relaunches == 0:
         return (f"recover.tiers.max_relaunches = 0: {what} ends the run"
-                + ("" if checkpoints else "; with checkpoint.enable = false nothing is saved "
-                   "to restart it from"))
-    if not checkpoints:
-        return (f"checkpoint.enable = false: {what} relaunches the run from step 0, every step "
-                "done so far redone; checkpoint.enable = true with checkpoint.interval = N "
-                "bounds that to N steps (0 after a cut link: the emergency checkpoint)")
+                + ("" if saved else "; with checkpoint.enable = false and "
+                   "recover.tiers.memory_snapshot_interval = 0 nothing is saved to restart it "
+                   "from"))
+    if not saved:
+        return (f"checkpoint.enable = false and recover.tiers.memory_snapshot_interval = 0: "
+                f"{what} relaunches the run from step 0, every step done so far redone; "
+                "recover.tiers.memory_snapshot_interval = N (host memory, no shared "
+                "filesystem) or checkpoint.interval = N bounds that to N steps (0 after a cut "
+                "link: the emergency boundary)")
     return None
 
 
@@ -249,14 +255,18 @@ class Plan:
     hosts: list[HostEntry]
     replicas: int
     resume_step: int  # 0: from scratch
+    from_memory: bool = False  # the survivors' host-memory generation, not a DCP checkpoint
 
 
 def plan_relaunch(entries: list[HostEntry], lost: dict[str, str], ranks_per_replica: int,
                   replicas: int, ranks_per_host: int | None, checkpoint_step: int | None,
                   relaunches_done: int, max_relaunches: int,
-                  hopeless: str | None = None) -> Plan | str:
+                  hopeless: str | None = None, memory_step: int | None = None) -> Plan | str:
     """The next attempt ([Note: the relaunch tier], step 3), or why there is none (one line).
-    ``hopeless``: :func:`ends_the_same_way`'s reason, if any."""
+    ``hopeless``: :func:`ends_the_same_way`'s reason, if any. ``memory_step``: the newest
+    host-memory generation complete on the surviving hosts ([Note: host-memory state] in
+    recovery/host_state.py): preferred to a DCP checkpoint of the same step or older (it is
+    read from local memory, no shared filesystem)."""
     if relaunches_done >= max_relaunches:
         return (f"the job ended abnormally and recover.tiers.max_relaunches={max_relaunches} "
                 "relaunch(es) are used up")
@@ -267,6 +277,8 @@ def plan_relaunch(entries: list[HostEntry], lost: dict[str, str], ranks_per_repl
     if fit < 1:
         return (f"no host left for a replica of {ranks_per_replica} rank(s) (lost: "
                 f"{', '.join(sorted(lost)) or 'none'})")
+    if memory_step and memory_step >= (checkpoint_step or 0):
+        return Plan(left, fit, memory_step, from_memory=True)
     return Plan(left, fit, checkpoint_step or 0)
 
 
@@ -315,6 +327,7 @@ class RelaunchRecord:
     detect_s: float | None = None  # the new attempt's wider margin (:func:`wider_margins`)
     slow_phase_s: float | None = None
     false_detection: bool = False  # relaunched for false detections at start-up (its hosts kept)
+    from_memory: bool = False     # resumed from the survivors' host memory, not DCP
     training_again_at: float | None = None  # the new attempt committed its first step
     failure_to_training_s: float | None = None
 

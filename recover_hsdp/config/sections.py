@@ -313,9 +313,28 @@ class Tiers:
 
     emergency_checkpoint: bool = True
     """After a repair that took every rank of a host out of the world (a crash, a cut link: a
-    failure PRRTE ends the job for, soon after), save a DCP checkpoint at that step boundary
-    whatever ``checkpoint.interval`` says ([Note: emergency checkpoint] in manager/manager.py),
-    so a relaunch redoes at most the steps after it. Needs ``checkpoint.enable``."""
+    failure PRRTE ends the job for, soon after), save the state at that step boundary whatever
+    the intervals say ([Note: emergency checkpoint] in manager/manager.py): a host-memory
+    generation (``memory_snapshot_interval`` > 0) and a DCP checkpoint (``checkpoint.enable``),
+    so a relaunch redoes no step."""
+
+    memory_snapshot_interval: int = 5
+    """Host-memory state ([Note: host-memory state] in recovery/host_state.py): every this many
+    steps each rank copies its shard of the training state to host memory and writes it in the
+    background under ``memory_snapshot_dir`` on its own host; a relaunch after a lost node
+    resumes from the survivors' copies (no shared filesystem, no ``checkpoint.enable``): no step
+    redone after a cut link (the emergency boundary), at most this many after a host killed
+    with its daemon. The default comes from the measured cost (benchmarks/relaunch_bench.py).
+    0: off (the emergency boundary too)."""
+
+    memory_snapshot_dir: str = "/dev/shm/recover-hsdp"
+    """Where the host-memory state lives on each host (absolute; host-local memory by default:
+    it must outlive a rank's process, not its host). The job's folder in it is removed when the
+    run ends."""
+
+    resume_from_memory: int = 0
+    """Set by the relaunch tier ([Note: the relaunch tier] in cli/relaunch.py): the step of the
+    host-memory generation the relaunched ranks load. 0: none (a DCP checkpoint or step 0)."""
 
     def check(self) -> None:
         """``max_relaunches`` and ``daemon_keepalive_s`` ([Note: the relaunch tier])."""
@@ -327,6 +346,12 @@ class Tiers:
             raise ConfigError(f"recover.tiers.daemon_keepalive_s={self.daemon_keepalive_s}: use 0 "
                               "(PRRTE's defaults) or >= 1 second")
         _boolean(self, "emergency_checkpoint")
+        _integer(self, "memory_snapshot_interval", 0)
+        _integer(self, "resume_from_memory", 0)
+        if not str(self.memory_snapshot_dir).startswith("/"):
+            raise ConfigError(f"recover.tiers.memory_snapshot_dir={self.memory_snapshot_dir!r}: "
+                              "use an absolute path on each host's local memory or disk "
+                              "(e.g. /dev/shm/recover-hsdp)")
 
 
 @dataclass

@@ -605,6 +605,12 @@ class RecoverManager:
         """``BetweenSteps.gather_for_checkpoint`` after the current step."""
         return self.between_steps.gather_for_checkpoint(local, self._current_step, self.policy)
 
+    def gather_global(self, local: Any, phase: str) -> list[Any]:
+        """``BetweenSteps.gather_global`` after the current step: every alive rank's
+        ``local``, agreed (e.g. a host-memory generation written or loaded everywhere:
+        [Note: host-memory state] in recovery/host_state.py)."""
+        return self.between_steps.gather_global(local, phase, self._current_step, self.policy)
+
     def save_checkpoint(self, step: int, save: Callable[[], str | None]) -> bool:
         """``BetweenSteps.save_checkpoint``: [Note: a checkpoint the survivors agree on]."""
         return self.between_steps.save_checkpoint(save, step, self.policy)

@@ -42,6 +42,7 @@ from recover_hsdp.groups.replica_group import init_replica_group
 from recover_hsdp.recovery.fingerprint import state_fingerprint
 from recover_hsdp.recovery.staging import HostStaging, to_host
 from recover_hsdp.titan.build import build_injector_for, build_manager, build_world
+from recover_hsdp.titan.host_state import HostState
 from recover_hsdp.titan.metrics import full_tensors
 from recover_hsdp.titan.sources import SampleLog
 from recover_hsdp.workload import DataRef
@@ -62,21 +63,30 @@ class ReplicaCheckpointer:
     does, its state comes from a donor. Everything else is delegated unchanged."""
 
     def __init__(self, inner, manager, slow_phase=contextlib.nullcontext, *,
-                 state_fingerprint=None, verify: bool = True):
+                 state_fingerprint=None, verify: bool = True, host_state=None,
+                 resume_from_memory: int = 0):
         self._inner, self._manager, self._slow_phase = inner, manager, slow_phase
         self._state_fingerprint, self._verify = state_fingerprint, verify
+        self._host_state, self._resume_from_memory = host_state, resume_from_memory
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
-        inner = self._inner
+        inner, memory = self._inner, self._host_state
         due = inner._should_save(curr_step, last_step)
-        emergency = self._manager.take_emergency_checkpoint() and inner.enable \
-            and not inner.load_only  # [Note: emergency checkpoint] (manager/manager.py)
-        if not (due or emergency):
+        # [Note: emergency checkpoint] (manager/manager.py): DCP and/or host memory
+        lost_host = self._manager.take_emergency_checkpoint()
+        emergency = lost_host and inner.enable and not inner.load_only
+        memory_emergency = lost_host and memory is not None and memory.on
+        if memory is not None and memory.due(curr_step, last_step) and not memory_emergency:
+            memory.snapshot(curr_step)  # [Note: host-memory state]: copied now, written later
+        if not (due or emergency or memory_emergency):
             return
         with self._slow_phase():  # [Note: detection margins by phase] (groups/heartbeat.py)
-            self._save(curr_step, last_step, due, emergency)
+            written = memory_emergency and memory.snapshot(curr_step, wait=True)
+            saved = (due or emergency) and self._save(curr_step, last_step, due)
+            if written or (emergency and saved):
+                self._manager.emergency_checkpoint_saved(curr_step)
 
-    def _save(self, curr_step: int, last_step: bool, due: bool, emergency: bool) -> None:
+    def _save(self, curr_step: int, last_step: bool, due: bool) -> bool:
         inner = self._inner
         if not (last_step and inner.last_save_model_only):  # the loader state goes in too
             source = inner.states["dataloader"]
@@ -90,8 +100,7 @@ class ReplicaCheckpointer:
                 curr_step, inner._create_checkpoint_id(curr_step),
                 restart_point=not (last_step and inner.last_save_model_only),
                 fingerprint=self._state_fingerprint)
-        if saved and emergency:
-            self._manager.emergency_checkpoint_saved(curr_step)
+        return saved
 
     def load(self, step: int = -1) -> bool:
         """TorchTitan's load, of certified restart points only, each verified once loaded:
@@ -100,6 +109,9 @@ class ReplicaCheckpointer:
         one is tried; none left: a ``ConfigError`` naming the folder. Folders without one
         (none written yet, TorchTitan's seed checkpoint step-0) load as TorchTitan does."""
         inner = self._inner
+        if self._resume_from_memory and self._verify and self._host_state is not None:
+            self._host_state.restore(self._resume_from_memory)  # [Note: host-memory state]
+            return True
         steps = certificates.complete_checkpoints(inner.folder) if inner.enable else []
         if not self._verify or self._state_fingerprint is None or not steps or steps == [0]:
             return inner.load(step=step)
@@ -199,10 +211,11 @@ class RecoverTrainer(Trainer):
                                      self.replica_world.procs, self.replica_group.heartbeat)
         if layout.world_rank == 0 and not self._joining:
             write_registry(job_config.job.dump_folder, self.replica_world.procs)  # launcher's
+        self.host_state = HostState(self, job_config.recover.tiers, job_config.job.dump_folder)
         self.checkpointer = ReplicaCheckpointer(
             self.checkpointer, self.manager, self._slow_phase, verify=not self._joining,
-            state_fingerprint=lambda: state_fingerprint(self.model_parts[0],
-                                                        self.optimizers.optimizers))
+            state_fingerprint=self.state_fingerprint, host_state=self.host_state,
+            resume_from_memory=job_config.recover.tiers.resume_from_memory)
         if job_config.recover.debug.log_samples:
             self.dataloader.sample_log = SampleLog(job_config.job.dump_folder,
                                                    self.replica_world.layout.world_rank)
@@ -228,6 +241,10 @@ class RecoverTrainer(Trainer):
         parallelism.data_parallel_shard_degree = fsdp
         return ParallelDims(dp_shard=fsdp, dp_replicate=1, cp=1, tp=tp, pp=1, ep=1, etp=1,
                             world_size=layout.ranks_per_replica)
+
+    def state_fingerprint(self) -> int:
+        """This rank's parameters and optimizer state: [Note: certified checkpoints]."""
+        return state_fingerprint(self.model_parts[0], self.optimizers.optimizers)
 
     # ---------------------------------------------------------------- one step
 
@@ -327,6 +344,10 @@ class RecoverTrainer(Trainer):
         staged copies go back to the device first."""
         tensors, arrays = self._join_staged
         self._join_staging.copy_back(tensors, arrays)
+        self.apply_join_meta(meta)
+
+    def apply_join_meta(self, meta: dict) -> None:
+        """:meth:`join_meta`'s state (a donor's, or a host-memory generation's) into this rank."""
         self.ntokens_seen = meta["ntokens_seen"]
         self.lr_schedulers.load_state_dict(meta["lr_schedulers"])
         self.dataloader.load_state_dict(meta["dataloader"])
@@ -419,6 +440,7 @@ class RecoverTrainer(Trainer):
         if getattr(self, "_trained", False):
             manager.finish_run(lambda: self.metrics_processor.write_run_outputs(
                 final, alive_replicas=len(manager.world.alive_replicas)))  # agreed at the end
+            self.host_state.finish()
         else:  # training raised on every rank (e.g. replicas diverged): record what there is
             self.metrics_processor.write_run_outputs(final)
             manager.close()

@@ -148,16 +148,19 @@ def test_agent_is_the_one_mpirun_uses():
 class FakeJob:
     """Attempt k of a job: writes the outputs an mpirun attempt would have written."""
 
-    def __init__(self, out: Path, ckpt: Path, script, checkpoints: bool = True):
+    def __init__(self, out: Path, ckpt: Path, script, checkpoints: bool = True,
+                 memory_interval: int = 0):
         self.out, self.ckpt, self.script, self.commands = out, ckpt, script, []
-        self.checkpoints = checkpoints
+        self.checkpoints, self.memory_interval = checkpoints, memory_interval
 
     def build_job(self, args):
         if args.replicas < 1:
             from recover_hsdp.config import ConfigError
             raise ConfigError("bad")
         job = argparse.Namespace(
-            recover=argparse.Namespace(tiers=argparse.Namespace(max_relaunches=2),
+            recover=argparse.Namespace(tiers=argparse.Namespace(
+                max_relaunches=2, memory_snapshot_interval=self.memory_interval,
+                memory_snapshot_dir=str(self.out.parent / "shm")),
                                        timeouts=argparse.Namespace(detect_s=4.0,
                                                                    slow_phase_s=30.0),
                                        ranks_per_replica=1, initial_replicas=0),

@@ -187,3 +187,48 @@ def test_lost_node_without_standby_or_checkpoint_keeps_b(tmp_path, failure_free_
     hosts = [p["host"] for p in json.loads((out / "procs.json").read_text())]
     assert lost_name not in hosts and len(hosts) == 2, hosts
     assert not left, left
+
+
+# [Note: host-memory state] (recovery/host_state.py): no DCP checkpoint, no shared filesystem
+# needed (the namespace nodes share /dev/shm, so each host reads only its own host-name folder)
+MEMORY = ["--training.steps", str(STEPS), "--recover.timeouts.hang_s", "30",
+          "--recover.tiers.memory_snapshot_interval", "2"]
+
+
+def _memory_left(out) -> list[str]:
+    from recover_hsdp.host_files import job_root
+
+    root = job_root("/dev/shm/recover-hsdp", out)
+    return [str(p) for p in root.rglob("*")] if root.exists() else []
+
+
+def _check_memory(out, record, text):
+    assert record["from_memory"], record
+    loads = [e for e in read_jsonl(out / "events.jsonl") if e.get("phase") == "host state load"]
+    assert len(loads) == 1 and loads[0]["step"] == record["resume_step"], loads
+    assert "resumed from the host-memory generation" in text, text[-3000:]
+    assert not _memory_left(out), _memory_left(out)   # every byte removed at the end
+    return loads[0]
+
+
+def test_cut_link_is_relaunched_from_host_memory(tmp_path, failure_free_3x1):
+    """Real process, checkpoint.enable = false: node 2's link cut after step 3; the survivors
+    write the emergency host-memory generation at the next step boundary, the launcher finds
+    node 2 silent and relaunches on nodes 0, 1 and the standby node 3 from the survivors'
+    copies (node 3's rank gets its shard from a peer): no step redone, B every step, the
+    failure-free loss, nothing left in /dev/shm."""
+    out, rc, text, left, addr, name = _run(tmp_path, "link_down", 59, train=MEMORY)
+    record = _check(out, rc, text, left, addr, name, failure_free_3x1, lossless=True)
+    load = _check_memory(out, record, text)
+    assert load["ranks"] == REPLICAS and load["from_peer"] == 1, load   # the standby's rank
+
+
+@pytest.mark.slow  # the cut link above shows the memory path; this one the periodic generation
+def test_node_killed_is_relaunched_from_host_memory(tmp_path, failure_free_3x1):
+    """Real process, checkpoint.enable = false: node 2 SIGKILLed with its daemon after step 3:
+    relaunched from the last periodic generation (every 2 steps) on the survivors' copies:
+    at most 2 steps redone."""
+    out, rc, text, left, addr, name = _run(tmp_path, "kill", 61, train=MEMORY)
+    record = _check(out, rc, text, left, addr, name, failure_free_3x1)
+    _check_memory(out, record, text)
+    assert record["steps_lost"] <= 2, record

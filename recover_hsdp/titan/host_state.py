@@ -1,0 +1,135 @@
+"""``HostState``: the trainer's host-memory generations ([Note: host-memory state] in
+recovery/host_state.py): what a rank writes at a step boundary and how a relaunched rank
+loads it (its own host's copy, else a peer's), verified and agreed before it trains."""
+
+from __future__ import annotations
+
+import torch
+
+from recover_hsdp.errors import ConfigError
+from recover_hsdp.host_files import host_dir, job_root
+from recover_hsdp.recovery.host_state import HostStateStore, Snapshotter, read_payload
+from recover_hsdp.recovery.staging import to_host
+
+
+class HostState:
+    """Args:
+        trainer: the ``RecoverTrainer`` (its state: ``_join_state``, ``join_meta``,
+            ``state_dict``; its manager's agreements).
+        tiers: ``job_config.recover.tiers``; dump_folder: ``job.dump_folder``.
+    """
+
+    def __init__(self, trainer, tiers, dump_folder: str):
+        self.trainer, self.manager = trainer, trainer.manager
+        self.interval = tiers.memory_snapshot_interval
+        self.root = job_root(tiers.memory_snapshot_dir, dump_folder)
+        self.store = HostStateStore(host_dir(self.root), self.manager.replica, self.manager.shard)
+        self.snapshotter = Snapshotter(self.store)
+
+    @property
+    def on(self) -> bool:
+        return self.interval > 0
+
+    def due(self, step: int, last_step: bool) -> bool:
+        return self.on and not last_step and step % self.interval == 0
+
+    # ---------------------------------------------------------------- write
+
+    def snapshot(self, step: int, wait: bool = False) -> bool:
+        """This rank's generation of ``step`` (the same step on every rank). ``wait`` (the
+        emergency boundary): written and agreed written on every rank before it returns;
+        else copied now and written in the background. Returns whether it is known written."""
+        trainer = self.trainer
+        source = trainer.dataloader
+        if getattr(source, "gathers_state", False):  # stream mode: every replica's positions
+            states = self.manager.gather_for_checkpoint(to_host(source.checkpoint_state()))
+            source.set_gathered(states.values())
+        self.store.replica = self.manager.replica  # ids change with a relaunch onto fewer
+        meta = to_host({"train_state": trainer.state_dict(), "join": trainer.join_meta()})
+        error = self.snapshotter.submit(step, trainer._join_state(), meta, wait=wait)
+        if not wait:
+            if error:
+                self._say(f"step {step}: {error}")
+            return False
+        errors = sorted({e for e in self.manager.gather_global(error or "", "host state")
+                         if e})
+        if errors:
+            self._say(f"step {step}: host-memory generation NOT written everywhere: {errors[0]}")
+        return not errors
+
+    def finish(self) -> None:
+        """A normal end: the write in flight is done, then this rank's files go (the launcher
+        removes the job's folder on every host as well)."""
+        self.snapshotter.wait()
+        self.store.remove_own()
+
+    # ---------------------------------------------------------------- load
+
+    def restore(self, step: int) -> None:
+        """Load ``step``'s generation into this rank ([Note: host-memory state]): this host's
+        copy of its shard position, else the copy of a rank of the same position that has one
+        (over the world's shard communicator); checksum verified, then every rank agrees the
+        load succeeded and that the replicas hold equal state. Raises ``ConfigError`` (one
+        line) if any rank could not."""
+        manager, shard = self.manager, self.manager.shard
+        path = self.store.find(step)
+        payload, why = read_payload(path) if path else (None, "no copy on this host")
+        have = manager.gather_for_checkpoint(payload is not None)  # replica -> has it
+        fetched = False
+        if not all(have.values()):
+            donors = [r for r, ok in sorted(have.items()) if ok]
+            mine = path.read_bytes() if donors and manager.replica == donors[0] else None
+            if donors:
+                data = manager.gather_for_checkpoint(mine)[donors[0]]
+                if payload is None:
+                    payload, why = read_payload(data)
+                    fetched = payload is not None
+                    if fetched:
+                        why = None
+            elif why is None:
+                why = "no rank of this shard position holds it"
+        error = why and f"replica {manager.replica} shard {shard}: {why}"
+        if payload is not None and not error:
+            error = self._apply(payload, step)
+        fingerprint = None if error else self.trainer.state_fingerprint()
+        results = manager.gather_global((error or "", shard, fingerprint, fetched),
+                                        "host state load")
+        errors = sorted({e for e, _, _, _ in results if e})
+        by_shard: dict[int, set] = {}
+        for _, position, value, _ in results:
+            by_shard.setdefault(position, set()).add(value)
+        if not errors and any(len(v) > 1 for v in by_shard.values()):
+            errors = ["the replicas' loaded states differ"]
+        if errors:
+            raise ConfigError(f"recover.tiers.resume_from_memory={step}: the host-memory "
+                              f"generation does not load ({errors[0]}): relaunch from a "
+                              "checkpoint (checkpoint.enable) or from step 0")
+        from_peer = sum(1 for *_, peer in results if peer)
+        if manager.is_writer:
+            print(f"[recover-hsdp] resumed from the host-memory generation of step {step}: "
+                  f"{len(results)} rank(s) verified, {from_peer} of them from a peer's copy",
+                  flush=True)
+        manager.outputs.log_event({"phase": "host state load", "step": step,
+                                   "epoch": manager.world.epoch, "ranks": len(results),
+                                   "from_peer": from_peer})
+
+    def _apply(self, payload: dict, step: int) -> str | None:
+        trainer = self.trainer
+        if payload.get("step") != step:
+            return f"the file holds step {payload.get('step')}, not {step}"
+        targets = trainer._join_state()  # the optimizer's state exists from here on
+        saved = payload["tensors"]
+        if len(saved) != len(targets) or any(
+                s.shape != t.shape or s.dtype != t.dtype for s, t in zip(saved, targets)):
+            return "its tensors do not match this rank's (another model or layout)"
+        with torch.no_grad():
+            for target, source in zip(targets, saved):
+                target.copy_(source)
+        meta = payload["meta"]
+        trainer.apply_join_meta(meta["join"])
+        trainer.load_state_dict(dict(meta["train_state"]))
+        return None
+
+    def _say(self, line: str) -> None:
+        print(f"[recover-hsdp] replica {self.manager.replica} shard {self.manager.shard}: {line}",
+              flush=True)
