@@ -1,16 +1,20 @@
 """The relaunch tier vs a checkpoint-restart by hand, for the failures PRRTE 3.0 cannot survive.
 
     python benchmarks/relaunch_bench.py [--repeats 1] [--faults link_down,kill_node]
-        [--steps 16] [--interval 4] [--keepalive 30]
+        [--modes memory,relaunch,by_hand] [--steps 16] [--interval 4] [--keepalive 30]
+        [--overhead-pairs 3] [--overhead-steps 40] [--overhead-intervals 1,5]
 
 On a 4-node namespace cluster (tests/netns_cluster.py; needs root) a 3 x 1 job (nodes 0-2,
 node 3 standing by in the hostfile, exact mode, a DCP checkpoint every ``--interval`` steps)
 loses node 2 after step 5: its link cut (``link_down``) or every process on it SIGKILLed with
 its PRRTE daemon (``kill_node``). PRRTE ends the MPI job either way.
 
-* ``relaunch``: ``recover-hsdp train`` as shipped ([Note: the relaunch tier]): it relaunches
-  from the newest complete checkpoint (an emergency one after a cut link, [Note: emergency
-  checkpoint]) on nodes 0, 1, 3.
+* ``memory``: ``recover-hsdp train`` with host-memory state every ``--interval`` steps and no
+  DCP checkpoint ([Note: host-memory state]): it relaunches from the survivors' copies (an
+  emergency generation after a cut link) on nodes 0, 1, 3 (node 3's rank from a peer's copy).
+* ``relaunch``: ``recover-hsdp train`` with a DCP checkpoint every ``--interval`` steps and no
+  host-memory state ([Note: the relaunch tier]): it relaunches from the newest complete
+  checkpoint (an emergency one after a cut link, [Note: emergency checkpoint]) on nodes 0, 1, 3.
 * ``by_hand``: the same job with ``--recover.tiers.max_relaunches 0`` and no emergency checkpoint
   (``--recover.tiers.no-emergency_checkpoint``: only the periodic ones); the moment the launcher
   returns, this script (an operator with zero reaction time: a lower bound) starts the same
@@ -19,13 +23,20 @@ its PRRTE daemon (``kill_node``). PRRTE ends the MPI job either way.
   job ~488 s after the cut, measured: docs/ULFM_NOTES.md).
 
 Figures: seconds from the fault (this script's clock) to the first step committed again (the
-first metrics line of the new job), and steps redone. Writes benchmarks/results/relaunch.json.
+first metrics line of the new job), and steps redone.
+
+The failure-free cost of host-memory state (``--overhead-pairs``): the same 2 x 1 job on this
+host with ``memory_snapshot_interval`` 0 (off) and each of ``--overhead-intervals``, run in
+interleaved rounds; the ratio of the training wall time (summary ``wall_s``) with snapshots to
+without, per round, and its median. Writes benchmarks/results/relaunch.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -45,15 +56,18 @@ def _read(path: Path) -> list[dict]:
         if path.exists() else []
 
 
-def _argv(cluster, out, ckpt, steps, interval, keepalive, hostfile, extra=()):
+def _argv(cluster, out, ckpt, steps, interval, keepalive, hostfile, extra=(), memory=False):
     mpi = [*cluster.mpirun_args(), "--map-by", "ppr:1:node"]
     index = mpi.index("--hostfile")
     mpi[index + 1] = str(hostfile)
     return [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
             "--replicas", "3", "--out", str(out), "--end-grace", "10",
             *[f"--mpi-arg={a}" for a in mpi], "--", "--training.steps", str(steps),
-            "--recover.timeouts.hang_s", "30", "--checkpoint.enable", "--checkpoint.interval",
-            str(interval), "--checkpoint.folder", str(ckpt),
+            "--recover.timeouts.hang_s", "30",
+            *(["--recover.tiers.memory_snapshot_interval", str(interval)] if memory else
+              ["--checkpoint.enable", "--checkpoint.interval", str(interval),
+               "--recover.tiers.memory_snapshot_interval", "0"]),
+            "--checkpoint.folder", str(ckpt),
             "--recover.tiers.daemon_keepalive_s", str(keepalive), *extra]
 
 
@@ -76,7 +90,8 @@ def one_run(mode: str, fault: str, steps: int, interval: int, keepalive: float, 
         extra = ["--recover.tiers.max_relaunches", "0", "--recover.tiers.no-emergency_checkpoint"] \
             if mode == "by_hand" else []
         log = open(root / "run.log", "w")
-        proc = c.popen(0, _argv(c, out, ckpt, steps, interval, keepalive, c.hostfile, extra),
+        proc = c.popen(0, _argv(c, out, ckpt, steps, interval, keepalive, c.hostfile, extra,
+                                memory=mode == "memory"),
                        env=env, stdout=log, stderr=log, cwd=str(REPO))
         _wait(lambda: any(r["step"] >= 5 for r in _read(out / "metrics.jsonl")), proc=proc)
         fault_at = time.time()
@@ -104,9 +119,62 @@ def one_run(mode: str, fault: str, steps: int, interval: int, keepalive: float, 
             record = events[0]
             again = record["training_again_at"]
             result = {"steps_lost": record["steps_lost"], "resume_step": record["resume_step"],
+                      "from_memory": record.get("from_memory", False),
+                      "completed": bool(json.loads((out / "summary.json").read_text())
+                                        .get("completed")) if (out / "summary.json").exists()
+                      else False,
                       "launcher_failure_to_training_s": record["failure_to_training_s"]}
         log.close()
     return {"mode": mode, "fault": fault, "fault_to_training_s": again - fault_at, **result}
+
+
+def overhead(pairs: int, steps: int, intervals: list[int]) -> dict:
+    """Failure-free training wall time with host-memory snapshots vs without, interleaved."""
+    rounds = []
+    for index in range(pairs):
+        walls = {}
+        for interval in [0, *intervals]:
+            out = Path(tempfile.mkdtemp(prefix="rh-snap-")) / "run"
+            done = subprocess.run(
+                [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
+                 "--replicas", "2", "--out", str(out), "--", "--training.steps", str(steps),
+                 "--recover.tiers.memory_snapshot_interval", str(interval)],
+                cwd=str(REPO), env={**os.environ, "OMP_NUM_THREADS": "1"},
+                capture_output=True, text=True, timeout=900)
+            if done.returncode != 0:
+                raise RuntimeError(done.stdout[-2000:] + done.stderr[-2000:])
+            walls[interval] = json.loads((out / "summary.json").read_text())["wall_s"]
+        rounds.append({"round": index, "wall_s": walls,
+                       "ratio": {n: walls[n] / walls[0] for n in intervals}})
+        print(json.dumps(rounds[-1]), flush=True)
+    return {"steps": steps, "rounds": rounds,
+            "ratio_median": {n: statistics.median(r["ratio"][n] for r in rounds)
+                             for n in intervals}}
+
+
+def copy_cost(mib: int = 512, repeats: int = 3) -> dict:
+    """Where a snapshot's time goes, per GiB of a rank's state, in process: the copy on the
+    step's critical path (``Snapshotter.submit``'s clone) and the background write to
+    ``/dev/shm`` (``torch.save``), best of ``repeats``."""
+    import torch
+
+    from recover_hsdp.recovery.host_state import HostStateStore, checksum
+
+    tensors = [torch.randn(mib * 2**20 // 4 // 8) for _ in range(8)]
+    store = HostStateStore(Path(tempfile.mkdtemp(prefix="rh-copy-", dir="/dev/shm")), 0, 0)
+    copy_s, write_s = [], []
+    for step in range(repeats):
+        started = time.perf_counter()
+        copies = [t.detach().to("cpu", copy=True) for t in tensors]
+        copy_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        store.write(step, {"step": step, "tensors": copies, "meta": {},
+                           "checksum": checksum(copies)})
+        write_s.append(time.perf_counter() - started)
+    store.remove_own()
+    gib = mib / 1024
+    return {"mib": mib, "copy_s_per_gib": min(copy_s) / gib,
+            "write_s_per_gib": min(write_s) / gib}
 
 
 def main() -> None:
@@ -116,27 +184,40 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--interval", type=int, default=4)
     parser.add_argument("--keepalive", type=float, default=30.0)
+    parser.add_argument("--modes", default="memory,relaunch,by_hand")
+    parser.add_argument("--overhead-pairs", type=int, default=3)
+    parser.add_argument("--overhead-steps", type=int, default=40)
+    parser.add_argument("--overhead-intervals", default="1,5")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    cost = overhead(args.overhead_pairs, args.overhead_steps,
+                    [int(n) for n in args.overhead_intervals.split(",")]) \
+        if args.overhead_pairs else None
+    if cost:
+        cost["per_gib"] = copy_cost()
+        print(json.dumps(cost["per_gib"]), flush=True)
     runs = []
     salt = 0
     for _ in range(args.repeats):
         for fault in args.faults.split(","):
-            for mode in ("relaunch", "by_hand"):
+            for mode in modes:
                 salt += 1
                 run = one_run(mode, fault, args.steps, args.interval, args.keepalive, salt)
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     table = {}
     for fault in args.faults.split(","):
-        for mode in ("relaunch", "by_hand"):
+        for mode in modes:
             mine = [r for r in runs if r["fault"] == fault and r["mode"] == mode]
             table[f"{fault}/{mode}"] = {
                 "fault_to_training_s_median": statistics.median(r["fault_to_training_s"]
                                                                 for r in mine),
                 "steps_lost": [r["steps_lost"] for r in mine]}
     print(json.dumps(table, indent=2))
+    if cost:
+        print(json.dumps(cost["ratio_median"]))
     write_json("relaunch.json", {"machine": machine(), "args": vars(args),
-                                           "runs": runs, "table": table})
+                                 "runs": runs, "table": table, "snapshot_overhead": cost})
 
 
 if __name__ == "__main__":

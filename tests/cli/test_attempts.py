@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from recover_hsdp import certificates
+from recover_hsdp import certificates, host_files
 from recover_hsdp.cli import attempts, relaunch
 from recover_hsdp.cli import hosts as remote
 from recover_hsdp.cli.hostfile import HostEntry, parse_hostfile
@@ -282,8 +282,70 @@ def test_a_relaunch_onto_fewer_replicas_keeps_b_without_a_checkpoint(tmp_path, m
     assert len(said) == 1 and "relaunches the run from step 0" in said[0]  # once, at start
 
 
+def test_driver_relaunches_from_the_survivors_host_memory(tmp_path, monkeypatch, capsys):
+    """[Note: host-memory state]: no checkpoint, snapshots every 2 steps; node 2 lost after
+    step 5. The launcher lists the hosts not lost (node 2 is not asked) and relaunches from the
+    newest generation every shard position has somewhere (6 is on one host only for shard 1:
+    4), on the hosts left, with ``resume_from_memory``; the job's folder is removed on every
+    host it reaches at the start and the end, and said nothing about a node loss at start."""
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    out.mkdir()
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{h} slots=8\n" for h in HOSTS[:3]))
+    monkeypatch.setattr(remote, "host_names", lambda agent, hosts, timeout=0:
+                        {h: ALIASES[h] for h in hosts})
+    monkeypatch.setattr(remote, "kill_remote", lambda agent, by_host, timeout=0: {})
+    monkeypatch.setattr(attempts.socket, "gethostname", lambda: "n0")
+    listed, removed = [], []
+    files = {"10.0.0.1": ["/s/j/n0/gen-000000004/r0-s0.pt", "/s/j/n0/gen-000000004/r0-s1.pt",
+                          "/s/j/n0/gen-000000006/r0-s0.pt"],
+             "10.0.0.2": ["/s/j/n1/gen-000000002/r1-s1.pt", "/s/j/n1/gen-000000004/r1-s1.pt"],
+             "10.0.0.3": ["/s/j/n2/gen-000000006/r2-s1.pt"]}
+    monkeypatch.setattr(remote, "list_host_state", lambda agent, hosts, root, timeout=0:
+                        listed.append(list(hosts)) or {h: files[h] for h in hosts})
+    monkeypatch.setattr(remote, "remove_host_state", lambda agent, hosts, root, timeout=0:
+                        removed.append((list(hosts), root)) or {})
+    job = FakeJob(out, ckpt, [
+        lambda a: (range(1, 6), LOST_DAEMON.replace("rh22bn2", "n2"),
+                   _procs(["n0", "n0", "n1", "n1", "n2", "n2"]), False),
+        lambda a: (range(5, 11), "", _procs(["n0", "n0", "n1", "n1"]), True)],
+        checkpoints=False, memory_interval=2)
+    args = argparse.Namespace(
+        replicas=3, ranks_per_replica=2, gpus_per_node=0, ranks_per_gpu=1, hostfile=None,
+        mpi_arg=["--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent", "/agent",
+                 "--map-by", "ppr:2:node"], fault=[], overrides=["--training.steps", "10"],
+        end_grace=1.0)
+    assert attempts.train_with_relaunch(args, job.build_job, job.supervise, {}) == 0
+    second = job.commands[1]
+    assert second.replicas == 2
+    assert second.overrides == ["--training.steps", "10", "--recover.tiers.resume_from_memory",
+                                "4", "--recover.initial_replicas", "3"]
+    assert listed == [["10.0.0.1", "10.0.0.2"]]                  # the lost host is not asked
+    root = str(host_files.job_root(tmp_path / "shm", out))
+    assert removed == [(HOSTS[:3], root), (HOSTS[:2], root)]     # at the start, at the end
+    summary = json.loads((out / "summary.json").read_text())
+    (record,) = summary["relaunches"]
+    assert record["from_memory"] and (record["resume_step"], record["steps_lost"]) == (4, 1)
+    assert "relaunches the run from step 0" not in capsys.readouterr().out
+
+
+def test_the_relaunch_prefers_the_newer_of_memory_and_checkpoint():
+    entries = [HostEntry(h, h) for h in HOSTS]
+    plan = relaunch.plan_relaunch(entries, {"10.0.0.3": "x"}, 1, 3, 1, 4, 0, 2, memory_step=6)
+    assert (plan.resume_step, plan.from_memory, plan.replicas) == (6, True, 3)
+    plan = relaunch.plan_relaunch(entries, {}, 1, 3, 1, 4, 0, 2, memory_step=4)
+    assert (plan.resume_step, plan.from_memory) == (4, True)     # a tie: local memory
+    plan = relaunch.plan_relaunch(entries, {}, 1, 3, 1, 8, 0, 2, memory_step=6)
+    assert (plan.resume_step, plan.from_memory) == (8, False)
+    plan = relaunch.plan_relaunch(entries, {}, 1, 3, 1, None, 0, 2, memory_step=None)
+    assert (plan.resume_step, plan.from_memory) == (0, False)
+
+
 def test_what_a_node_loss_costs_is_said_at_start():
     assert relaunch.node_loss_cost(checkpoints=True, max_relaunches=2) is None
+    assert relaunch.node_loss_cost(checkpoints=False, max_relaunches=2, memory_interval=5) is None
+    assert "memory_snapshot_interval" in relaunch.node_loss_cost(checkpoints=False,
+                                                                 max_relaunches=2)
     assert "from step 0" in relaunch.node_loss_cost(checkpoints=False, max_relaunches=2)
     assert "ends the run" in relaunch.node_loss_cost(checkpoints=True, max_relaunches=0)
     off = relaunch.node_loss_cost(checkpoints=False, max_relaunches=0)

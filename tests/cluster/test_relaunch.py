@@ -158,11 +158,13 @@ def test_death_before_the_world_is_built_is_relaunched(tmp_path, failure_free_3x
 
 @pytest.mark.slow  # the in-process driver test shows the arguments; one real job proves the path
 def test_lost_node_without_standby_or_checkpoint_keeps_b(tmp_path, failure_free_3x1):
-    """[Note: the relaunch keeps B] Real process: 3 nodes, no standby host, no checkpoint;
+    """[Note: the relaunch keeps B] Real process: 3 nodes, no standby host, no checkpoint and no
+    host-memory state;
     node 2 SIGKILLed with its daemon after step 3: PRRTE ends the job and the launcher relaunches
     it from step 0 onto the 2 replicas that fit, with recover.initial_replicas = 3: B = 3 every
     step (measured; the ledger: a major of 2, a minor of 1), the failure-free loss (exact mode), exit 0."""
     train = [a for a in TRAIN if a not in ("--checkpoint.enable", "--checkpoint.interval", "2")]
+    train += ["--recover.tiers.memory_snapshot_interval", "0"]   # nothing saved at all
     out, rc, text, left, lost_addr, lost_name = _run(tmp_path, "kill", 53, nodes=3, train=train)
     assert rc == 0, text[-5000:]
     steps = read_jsonl(out / "metrics.jsonl")
@@ -232,3 +234,52 @@ def test_node_killed_is_relaunched_from_host_memory(tmp_path, failure_free_3x1):
     record = _check(out, rc, text, left, addr, name, failure_free_3x1)
     _check_memory(out, record, text)
     assert record["steps_lost"] <= 2, record
+
+
+@pytest.mark.slow  # ~90 s: the 3 x 1 cut link above is the default suite's memory relaunch
+def test_replica_of_two_ranks_per_node_relaunched_from_host_memory(tmp_path, local_corpus):
+    """Real process, checkpoint.enable = false, no standby: 3 replicas x 2 ranks, one replica
+    per node; node 2's link cut after step 3: relaunched onto the 2 replicas that fit from
+    the emergency generation (each survivor's 2 shard positions from its own host), no step
+    redone, B = 3 every step (a major of 2 and a minor of 1 from the relaunch on), the
+    failure-free loss, nothing left in /dev/shm."""
+    ref = run_cli(["train", "--config", str(DEBUG_CONFIG), "--replicas", str(REPLICAS),
+                   "--ranks-per-replica", "2", "--out", str(tmp_path / "ref"), "--", *MEMORY],
+                  timeout=300)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    reference = read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+    prefix, subnet = _names("rm", 67)
+    with NetnsCluster(3, prefix=prefix, subnet=subnet) as cluster:
+        out = tmp_path / "run"
+        mpi = [*cluster.mpirun_args(), "--map-by", "ppr:2:node"]
+        argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config",
+                str(DEBUG_CONFIG), "--replicas", str(REPLICAS), "--ranks-per-replica", "2",
+                "--out", str(out), "--end-grace", "10", *[f"--mpi-arg={a}" for a in mpi], "--",
+                *MEMORY]
+        with open(tmp_path / "run.log", "w") as log:
+            proc = cluster.popen(0, argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                                 stdout=log, stderr=log, cwd=str(REPO))
+            _wait_for_step(out, 3, proc)
+            cluster.link_down(2)
+            rc, _, _ = _finish(proc, out, timeout=400)
+        text = (tmp_path / "run.log").read_text()
+        reachable = [cluster.names[i] for i in range(2)]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            left = {n: p for n, p in cluster.leftover_pids().items() if n in reachable}
+            if not left:
+                break
+            time.sleep(0.5)
+    assert rc == 0, text[-5000:]
+    steps = read_jsonl(out / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), text[-3000:]
+    assert all(s["reduced_microbatches"] == REPLICAS for s in steps), steps   # B, measured
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, reference)) <= 1e-3
+    (record,) = [e for e in read_jsonl(out / "events.jsonl") if e.get("phase") == "relaunch"]
+    assert record["replicas"] == 2 and record["steps_lost"] == 0, record
+    load = _check_memory(out, record, text)
+    assert load["ranks"] == 4 and load["from_peer"] == 0, load
+    for entry in ledger_records(out)[record["resume_step"]:]:   # the policy's roles for 2 of 3
+        roles = sorted((a["role"], len(a["committed"])) for a in entry["replicas"].values())
+        assert roles == [("major", 2), ("minor", 1)], entry
+    assert not left, left
