@@ -99,7 +99,7 @@ def one_run(index: int, setting: str, steps: int, hog: int, root: Path, cut_step
         with NetnsCluster(3, prefix=f"fdb{index % 10}{setting[0]}",
                           subnet=f"10.236.{index % 200 + (0 if setting == 'before' else 50)}") as c:
             mpi = [*c.mpirun_args(), "--map-by", "ppr:3:node", "--mca", "mpi_ft_verbose", "1",
-                   *(["--rank-by", "node"] if rank_by_node else [])]
+                   "--rank-by", "node" if rank_by_node else "slot"]  # the launcher's: node
             argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config",
                     str(CONFIG), "--replicas", "3", "--ranks-per-replica", "3", "--out",
                     str(run / "out"), "--end-grace", "10", *[f"--mpi-arg={a}" for a in mpi], "--",
@@ -203,8 +203,9 @@ def main() -> None:
     parser.add_argument("--cut-step", type=int, default=0, help="cut node 2's link after it")
     parser.add_argument("--checkpoint-interval", type=int, default=0)
     parser.add_argument("--rank-by-node", action="store_true",
-                        help="MPI ranks numbered round-robin over the nodes ([Note: "
-                             "host-interleaved ranks])")
+                        help="MPI ranks numbered round-robin over the nodes (the launcher's "
+                             "default: [Note: host-interleaved ranks]); without it host by host "
+                             "(--rank-by slot), as the results before it were measured")
     parser.add_argument("--results", default="false_detection.json")
     parser.add_argument("--reanalyse", action="store_true",
                         help="recount the false deaths of --results from the logs under --root")

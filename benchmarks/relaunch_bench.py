@@ -1,10 +1,12 @@
 """The relaunch tier vs a checkpoint-restart by hand, for the failures PRRTE 3.0 cannot survive.
 
     python benchmarks/relaunch_bench.py [--repeats 1] [--faults link_down,kill_node]
-        [--modes memory,relaunch,by_hand] [--steps 16] [--interval 4] [--keepalive 30]
+        [--modes memory,relaunch,by_hand] [--ranks-per-node 1,2,3] [--steps 16] [--interval 4]
+        [--keepalive 30]
         [--overhead-pairs 3] [--overhead-steps 40] [--overhead-intervals 1,5]
 
-On a 4-node namespace cluster (tests/netns_cluster.py; needs root) a 3 x 1 job (nodes 0-2,
+On a 4-node namespace cluster (tests/netns_cluster.py; needs root) a 3 x S job (S =
+``--ranks-per-node``, one replica per node: nodes 0-2,
 node 3 standing by in the hostfile, exact mode, a DCP checkpoint every ``--interval`` steps)
 loses node 2 after step 5: its link cut (``link_down``) or every process on it SIGKILLed with
 its PRRTE daemon (``kill_node``). PRRTE ends the MPI job either way.
@@ -23,7 +25,8 @@ its PRRTE daemon (``kill_node``). PRRTE ends the MPI job either way.
   job ~488 s after the cut, measured: docs/ULFM_NOTES.md).
 
 Figures: seconds from the fault (this script's clock) to the first step committed again (the
-first metrics line of the new job), and steps redone.
+first metrics line of the new job), and steps redone; for the launcher's modes the timeline
+(the survivors' first repair, mpirun ended, the relaunch started, training again).
 
 The failure-free cost of host-memory state (``--overhead-pairs``): the same 2 x 1 job on this
 host with ``memory_snapshot_interval`` 0 (off) and each of ``--overhead-intervals``, run in
@@ -56,12 +59,14 @@ def _read(path: Path) -> list[dict]:
         if path.exists() else []
 
 
-def _argv(cluster, out, ckpt, steps, interval, keepalive, hostfile, extra=(), memory=False):
-    mpi = [*cluster.mpirun_args(), "--map-by", "ppr:1:node"]
+def _argv(cluster, out, ckpt, steps, interval, keepalive, hostfile, extra=(), memory=False,
+          per_node=1):
+    mpi = [*cluster.mpirun_args(), "--map-by", f"ppr:{per_node}:node"]
     index = mpi.index("--hostfile")
     mpi[index + 1] = str(hostfile)
     return [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
-            "--replicas", "3", "--out", str(out), "--end-grace", "10",
+            "--replicas", "3", "--ranks-per-replica", str(per_node), "--out", str(out),
+            "--end-grace", "10",
             *[f"--mpi-arg={a}" for a in mpi], "--", "--training.steps", str(steps),
             "--recover.timeouts.hang_s", "30",
             *(["--recover.tiers.memory_snapshot_interval", str(interval)] if memory else
@@ -82,7 +87,8 @@ def _wait(predicate, timeout=300, proc=None):
     raise TimeoutError
 
 
-def one_run(mode: str, fault: str, steps: int, interval: int, keepalive: float, salt: int) -> dict:
+def one_run(mode: str, fault: str, steps: int, interval: int, keepalive: float, salt: int,
+            per_node: int = 1) -> dict:
     root = Path(tempfile.mkdtemp(prefix="rh-relaunch-"))
     out, ckpt = root / "run", root / "ckpt"
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -91,7 +97,7 @@ def one_run(mode: str, fault: str, steps: int, interval: int, keepalive: float, 
             if mode == "by_hand" else []
         log = open(root / "run.log", "w")
         proc = c.popen(0, _argv(c, out, ckpt, steps, interval, keepalive, c.hostfile, extra,
-                                memory=mode == "memory"),
+                                memory=mode == "memory", per_node=per_node),
                        env=env, stdout=log, stderr=log, cwd=str(REPO))
         _wait(lambda: any(r["step"] >= 5 for r in _read(out / "metrics.jsonl")), proc=proc)
         fault_at = time.time()
@@ -108,7 +114,8 @@ def one_run(mode: str, fault: str, steps: int, interval: int, keepalive: float, 
             survivors.write_text("".join(f"{a} slots=8\n" for i, a in enumerate(c.addrs) if i != 2))
             out2 = root / "run2"
             proc = c.popen(0, _argv(c, out2, ckpt, steps, interval, keepalive, survivors,
-                                    ["--checkpoint.load_step", str(resume)]),
+                                    ["--checkpoint.load_step", str(resume)],
+                                    per_node=per_node),
                            env=env, stdout=log, stderr=log, cwd=str(REPO))
             again = _wait(lambda: bool(_read(out2 / "metrics.jsonl")), proc=proc)
             proc.wait(timeout=900)
@@ -124,8 +131,16 @@ def one_run(mode: str, fault: str, steps: int, interval: int, keepalive: float, 
                                         .get("completed")) if (out / "summary.json").exists()
                       else False,
                       "launcher_failure_to_training_s": record["failure_to_training_s"]}
+            repairs = [e for e in _read(out / "relaunch" / "attempt-0" / "events.jsonl")
+                       if e.get("dead_replicas") and e.get("decided_at")]
+            result["timeline_s"] = {  # seconds after the fault
+                "detected": repairs[0]["decided_at"] - fault_at if repairs else None,
+                "job_ended": record["ended_at"] - fault_at,
+                "relaunched": record["relaunched_at"] - fault_at,
+                "training_again": again - fault_at}
         log.close()
-    return {"mode": mode, "fault": fault, "fault_to_training_s": again - fault_at, **result}
+    return {"mode": mode, "fault": fault, "ranks_per_node": per_node,
+            "fault_to_training_s": again - fault_at, **result}
 
 
 def overhead(pairs: int, steps: int, intervals: list[int]) -> dict:
@@ -185,6 +200,8 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=4)
     parser.add_argument("--keepalive", type=float, default=30.0)
     parser.add_argument("--modes", default="memory,relaunch,by_hand")
+    parser.add_argument("--ranks-per-node", default="1",
+                        help="S values, comma-separated: replicas of S ranks, one per node")
     parser.add_argument("--overhead-pairs", type=int, default=3)
     parser.add_argument("--overhead-steps", type=int, default=40)
     parser.add_argument("--overhead-intervals", default="1,5")
@@ -198,20 +215,25 @@ def main() -> None:
         print(json.dumps(cost["per_gib"]), flush=True)
     runs = []
     salt = 0
+    sizes = [int(n) for n in args.ranks_per_node.split(",")]
     for _ in range(args.repeats):
-        for fault in args.faults.split(","):
-            for mode in modes:
-                salt += 1
-                run = one_run(mode, fault, args.steps, args.interval, args.keepalive, salt)
-                print(json.dumps(run), flush=True)
-                runs.append(run)
+        for per_node in sizes:
+            for fault in args.faults.split(","):
+                for mode in modes:
+                    salt += 1
+                    run = one_run(mode, fault, args.steps, args.interval, args.keepalive, salt,
+                                  per_node)
+                    print(json.dumps(run), flush=True)
+                    runs.append(run)
     table = {}
-    for fault in args.faults.split(","):
-        for mode in modes:
-            mine = [r for r in runs if r["fault"] == fault and r["mode"] == mode]
-            table[f"{fault}/{mode}"] = {
+    for key in sorted({(r["ranks_per_node"], r["fault"], r["mode"]) for r in runs}):
+        per_node, fault, mode = key
+        mine = [r for r in runs if (r["ranks_per_node"], r["fault"], r["mode"]) == key]
+        if mine:
+            table[f"S={per_node}/{fault}/{mode}"] = {
                 "fault_to_training_s_median": statistics.median(r["fault_to_training_s"]
                                                                 for r in mine),
+                "detected_s": [r.get("timeline_s", {}).get("detected") for r in mine],
                 "steps_lost": [r["steps_lost"] for r in mine]}
     print(json.dumps(table, indent=2))
     if cost:

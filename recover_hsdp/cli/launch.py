@@ -43,6 +43,7 @@ from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, GPUS_PER_NODE_ENV, RA
                                              gpu_placement_args, heartbeat_detector_args,
                                              job_environment, mpirun_prefix)
 from recover_hsdp.collectives.processes import kill_local, read_registry
+from recover_hsdp.collectives.ranks import rank_by_node_args
 from recover_hsdp.groups import rendezvous
 
 
@@ -185,7 +186,10 @@ def _launcher(args: argparse.Namespace, job, ranks: int) -> list[str]:
     env[EXPORTED_ENV] = ",".join(sorted(env))  # a spawned newcomer gets the same
     extra += list(args.mpi_arg)
     if args.hostfile:
-        extra += [*mpi_interface_args(hostfile_hosts(args.hostfile), args.mpi_arg, os.environ),
+        hosts = hostfile_hosts(args.hostfile)
+        extra += [*mpi_interface_args(hosts, args.mpi_arg, os.environ),
+                  # the detector's ring crosses hosts: [Note: host-interleaved ranks]
+                  *([] if args.stock else rank_by_node_args(hosts, args.mpi_arg)),
                   "--hostfile", str(args.hostfile)]
     return [*mpirun_prefix(ranks, mpirun=resolve_mpirun(), env=env, extra=extra,
                            oversubscribe=not gpus, ulfm=not args.stock,

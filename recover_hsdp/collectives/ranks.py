@@ -5,16 +5,15 @@ MPI_COMM_WORLD: rank w observes rank w - 1, and when it declares that rank dead 
 observing the next rank before it, from a fresh timeout. Numbered host by host (mpirun's
 default), the S ranks of a lost host are neighbours in that ring and are found one after the
 other, S x ``detect_s``: 20.8 s for S = 3 at 4 s (benchmarks/README.md), and a GPU host
-holds 8. Numbered round-robin over the hosts (``--mpi-arg=--rank-by --mpi-arg=node``), every
-rank of a host is observed from another host and a lost host's ranks are declared dead
-together, one ``detect_s`` after the loss (measured: 4.2 and 5.1 s). That numbering is opt-in,
-not the launcher's default: in 1 of its 3 measured runs an attempt ended at start-up (relaunched,
-then completed; a second run ended in an event the bench did not expect, its kind not kept),
-none in the one host-by-host run; too few runs to tell, and a start-up lost is what [Note:
-detection margins by phase] fights, so the default stays mpirun's until it is. Measured again
-once both detectors had their start-up margin (benchmarks/README.md "False deaths", issue 35's
-cut run with ``--rank-by-node``, 5 runs): no attempt of 10 lost at start-up, the cut node found
-in 4.1-4.8 s; still opt-in (a default that changes every multi-host launch wants more runs).
+holds 8. So the launcher numbers the processes round-robin over the hosts when a job spans
+several (``--rank-by node``, :func:`rank_by_node_args`; a ``--rank-by`` of the user's wins):
+every rank of a host is observed from another host, and a lost host's ranks are declared dead
+together, one ``detect_s`` after the loss. Measured (benchmarks/README.md "False deaths",
+issue 35's cut run, 3 x 3 on 3 namespace nodes, 5 runs): the cut node found in 4.1-4.8 s
+against ~20 s host by host, and, once both detectors had their start-up margin ([Note:
+detection margins by phase]), no attempt of 10 lost at start-up. (It had been the default
+once and was made opt-in when, before those margins, 1 of 3 runs lost an attempt at
+start-up.) ``--mpi-arg=--rank-by --mpi-arg=slot`` keeps mpirun's host-by-host numbering.
 
 The project keeps its own order, replica-major ([Note: replica layout] in config/checks.py:
 replica r's shard s is rank r x S + s): :func:`replica_major_keys` rebuilds it from where the
@@ -64,3 +63,12 @@ def job_communicator(comm=None):
     if keys == list(range(len(keys))):
         return comm
     return comm.Split(color=0, key=keys[rank])
+
+
+def rank_by_node_args(hosts: Sequence[str], mpi_args: Sequence[str]) -> list[str]:
+    """``--rank-by node`` for a job over several hosts ([Note: host-interleaved ranks]),
+    unless the user chose a ranking (``--rank-by`` or a ``--map-by`` with ``rank-by`` in it)."""
+    said = " ".join(mpi_args)
+    if len(set(hosts)) < 2 or "rank-by" in said:
+        return []
+    return ["--rank-by", "node"]

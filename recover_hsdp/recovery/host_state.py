@@ -36,8 +36,8 @@ killed with its daemon). What is kept, where, and when:
   has it, over the job's fault-tolerant world at start-up. Each file's checksum is verified on
   read, and the replicas agree that their loaded states are equal, before a step is trained.
 * **Cleaned**: the launcher removes the job's folder on every host it reaches when the run ends
-  (whatever ends it) and before a relaunch from anything older; a rank removes its own files at
-  a normal end.
+  (whatever ends it) and before a relaunch from anything older; at a normal end the ranks
+  remove their host's part after the run's last agreement (dead ranks' files there too).
 
 Cost: host memory of :data:`KEEP` generations per rank (x its shard of parameters + optimizer
 state) plus one in-flight copy; the copy's time on the critical path per snapshot

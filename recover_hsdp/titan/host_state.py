@@ -8,7 +8,8 @@ import torch
 
 from recover_hsdp.errors import ConfigError
 from recover_hsdp.host_files import host_dir, job_root
-from recover_hsdp.recovery.host_state import HostStateStore, Snapshotter, read_payload
+from recover_hsdp.recovery.host_state import (HostStateStore, Snapshotter, read_payload,
+                                              remove_tree)
 from recover_hsdp.recovery.staging import to_host
 
 
@@ -57,11 +58,20 @@ class HostState:
             self._say(f"step {step}: host-memory generation NOT written everywhere: {errors[0]}")
         return not errors
 
-    def finish(self) -> None:
-        """A normal end: the write in flight is done, then this rank's files go (the launcher
-        removes the job's folder on every host as well)."""
+    def drain(self) -> None:
+        """The write in flight is done (before the run's last agreement)."""
         self.snapshotter.wait()
-        self.store.remove_own()
+
+    def finish(self) -> None:
+        """A normal end, after the run's last agreement (every rank has drained): this host's
+        part of the job's folder goes, the files of ranks that died here too (the launcher
+        removes the job's folder on every host it reaches as well)."""
+        self.snapshotter.wait()
+        remove_tree(self.store.directory)
+        try:
+            self.root.rmdir()  # the last host's to finish, where the folder is shared
+        except OSError:
+            pass
 
     # ---------------------------------------------------------------- load
 

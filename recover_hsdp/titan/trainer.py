@@ -438,6 +438,7 @@ class RecoverTrainer(Trainer):
             except Exception as err:  # noqa: BLE001
                 manager.replica_error(self.step, f"final parameter gather: {one_line(err)}")
         if getattr(self, "_trained", False):
+            self.host_state.drain()  # no write lands after the end's agreement
             manager.finish_run(lambda: self.metrics_processor.write_run_outputs(
                 final, alive_replicas=len(manager.world.alive_replicas)))  # agreed at the end
             self.host_state.finish()

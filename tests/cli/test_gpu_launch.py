@@ -317,3 +317,14 @@ def test_a_hostfile_launch_line_names_the_mpi_network(tmp_path):
     if found is None:
         pytest.skip("this machine has no route to 10.9.0.1 (no packet is sent to it)")
     assert f"--mca btl_tcp_if_include {found[1]} --prtemca oob_tcp_if_include {found[1]}" in line
+
+
+def test_a_job_across_hosts_is_numbered_round_robin(tmp_path):
+    """[Note: host-interleaved ranks]: a host's ranks are not neighbours in the detector's ring."""
+    hostfile = _hostfile(tmp_path, "10.9.0.1", "10.9.0.2")
+    line = " ".join(_command(tmp_path, "--gpus-per-node", "8", "--hostfile", hostfile))
+    assert "--map-by ppr:8:node --bind-to none" in line and "--rank-by node" in line
+    stock = _command(tmp_path, "--stock", "--gpus-per-node", "0", "--hostfile", hostfile,
+                     replicas=2, ranks=1)
+    assert "--rank-by" not in stock  # stock TorchTitan reads mpirun's ranks as torch's
+    assert "--rank-by" not in _command(tmp_path, "--gpus-per-node", "0", replicas=2, ranks=1)

@@ -1,10 +1,10 @@
 """[Note: host-interleaved ranks] in process: the job's replica-major order rebuilt from where
-mpirun put the processes, under host-by-host and round-robin numbering. The real round-robin
-numbering on namespace hosts (PRRTE's ``--rank-by node``) is benchmarks/detection_bench.py's
-``--numbering node``."""
+mpirun put the processes, under host-by-host and round-robin numbering, and the launcher's
+round-robin numbering. The real numbering on namespace hosts (PRRTE's ``--rank-by node``) is
+every launch of tests/cluster/."""
 
 from recover_hsdp.collectives import MPI
-from recover_hsdp.collectives.ranks import job_communicator, replica_major_keys
+from recover_hsdp.collectives.ranks import job_communicator, rank_by_node_args, replica_major_keys
 
 
 def _replicas(hosts, keys, s):
@@ -87,3 +87,11 @@ def test_job_communicator_reorders_only_when_needed():
     round_robin = _FakeWorld(["a", "b", "a", "b"], rank=1)
     assert job_communicator(round_robin) is round_robin
     assert round_robin.split == (0, 2)  # MPI rank 1 is host b's first rank: job rank 2
+
+
+def test_the_launcher_numbers_round_robin_across_hosts_only():
+    assert rank_by_node_args(["10.0.0.1", "10.0.0.2"], []) == ["--rank-by", "node"]
+    assert rank_by_node_args(["10.0.0.1", "10.0.0.1"], []) == []
+    assert rank_by_node_args(["10.0.0.1"], ["--map-by", "ppr:3:node"]) == []
+    assert rank_by_node_args(["h1", "h2"], ["--rank-by", "slot"]) == []  # the user's choice
+    assert rank_by_node_args(["h1", "h2"], ["--map-by", "ppr:2:node:rank-by=slot"]) == []

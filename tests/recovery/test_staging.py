@@ -69,8 +69,8 @@ def _work(seed: int, steps: int):
         work.optimizers.zero_grad()
     from recover_hsdp.titan.trainer import RecoverTrainer
 
-    for name in ("join_meta", "load_join_meta", "join_tensors", "join_nbytes", "_join_state",
-                 "_materialize_optimizer_state"):
+    for name in ("join_meta", "load_join_meta", "apply_join_meta", "join_tensors", "join_nbytes",
+                 "_join_state", "_materialize_optimizer_state"):
         setattr(work, name, types.MethodType(getattr(RecoverTrainer, name), work))
     return work, params
 
