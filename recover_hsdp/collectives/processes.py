@@ -49,6 +49,17 @@ class ProcessInfo:
             return None
         return stat.rsplit(")", 1)[1].split()[0]
 
+    def cpu_ticks(self) -> tuple[str, int] | None:
+        """(state letter, user + system CPU clock ticks) if it is still this process on this
+        host, else None: what [Note: silence the host can explain] reads."""
+        if not self.is_local() or start_time(self.pid) != self.start:
+            return None
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return fields[0], int(fields[11]) + int(fields[12])
+
     def is_frozen(self) -> bool:
         """Stopped (SIGSTOP, or traced) on this host: it will never move by itself."""
         return self.state() in ("T", "t")

@@ -53,6 +53,21 @@ cost: a frozen rank or a silent host in such a phase is found after ``slow_phase
 MPI's start-up slack before the first step), not ``detect_s``; a dead process at once (its
 sockets close), in every phase.
 
+[Note: silence the host can explain] The replica's ranks usually share a host, and there
+silence is not the only evidence: ``/proc/<pid>/stat`` says whether the silent peer's process
+is still that process, whether it is stopped (T) or a zombie, and how much CPU it has used. A
+peer silent past ``timeout_s`` in steady state whose process on this host has used CPU since
+its last beat is working, not dead: its heartbeat thread is starved (the main thread holds the
+GIL in one long C call, the host is oversubscribed: the steady-state false deaths measured in
+benchmarks/README.md "False deaths" were silences of 4.0-4.1 s under load), so it is given
+``slow_timeout_s`` like a peer in a slow phase. A peer that is gone, stopped, a zombie, or has
+used no CPU since its last beat is judged by ``timeout_s`` as before, and a peer on another
+host (no witness) too. Cost: a frozen rank's detection is unchanged (SIGSTOP stops its CPU
+clock and shows T), a dead one's too (its pid is gone); a live rank that spins without beating
+(a busy deadlock holding the GIL) is found after ``slow_timeout_s`` instead of ``timeout_s``
+(the hang watchdog's bound is usually longer still). One read of the peer's stat per beat
+received and per check of a silent peer.
+
 Standard library only; the logic (``received``, ``overdue``) takes the time as an argument, so
 tests drive it with a fake clock.
 """
@@ -84,12 +99,15 @@ class ReplicaHeartbeat:
             (its start-up) until :meth:`steady`.
         on_lost: ``on_lost(shard, silent_s)``, called once from the heartbeat thread.
         clock: monotonic seconds (tests pass a fake one).
+        witness: ``witness(shard)`` -> (state letter, CPU ticks) of the peer's process read on
+            this host, or None (another host, gone): [Note: silence the host can explain].
     """
 
     def __init__(self, sock: socket.socket, shard: int, peers: dict[int, tuple[str, int]],
                  token: bytes, *, period_s: float, timeout_s: float,
                  on_lost: Callable[[int, float], None], clock: Callable[[], float] = time.monotonic,
-                 slow_timeout_s: float | None = None):
+                 slow_timeout_s: float | None = None,
+                 witness: Callable[[int], tuple[str, int] | None] | None = None):
         if not timeout_s > 2 * period_s > 0:
             raise ValueError(f"heartbeat timeout_s={timeout_s} must exceed 2 x period_s={period_s}")
         slow_timeout_s = timeout_s if slow_timeout_s is None else slow_timeout_s
@@ -106,6 +124,10 @@ class ReplicaHeartbeat:
         self.last_seen = {peer: now for peer in self.peers}
         self.departed: set[int] = set()
         self.lost: int | None = None
+        self.witness = witness
+        self.cpu_at_beat: dict[int, int] = {}  # the peer's CPU ticks when its last beat came
+        self.working: set[int] = set()  # silent peers the host saw working: [Note: silence ...]
+        self.explained = 0  # silences past timeout_s the host explained so far
         self._last_check = now
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,7 +153,21 @@ class ReplicaHeartbeat:
             self._slow_phases -= 1
 
     def allowed_silence(self, peer: int) -> float:
-        return self.slow_timeout_s if self.slow or self.peer_slow[peer] else self.timeout_s
+        if self.slow or self.peer_slow[peer] or self._working(peer):
+            return self.slow_timeout_s
+        return self.timeout_s
+
+    def _working(self, peer: int) -> bool:
+        """[Note: silence the host can explain]: the peer's process on this host has used CPU
+        since its last beat and is neither stopped nor a zombie."""
+        seen = self.witness(peer) if self.witness is not None else None
+        before = self.cpu_at_beat.get(peer)
+        working = (seen is not None and before is not None and seen[0] not in "TtZXx"
+                   and seen[1] > before)
+        if working and peer not in self.working:
+            self.working.add(peer)
+            self.explained += 1
+        return working
 
     # -- logic (no sockets, no threads) -----------------------------------------------------
     def message(self, kind: int | None = None) -> bytes:
@@ -150,7 +186,11 @@ class ReplicaHeartbeat:
             self.departed.add(shard)
         else:
             self.peer_slow[shard] = kind == _BEAT_SLOW
+            seen = self.witness(shard) if self.witness is not None else None
+            if seen is not None:
+                self.cpu_at_beat[shard] = seen[1]
         self.last_seen[shard] = now
+        self.working.discard(shard)
 
     def overdue(self, now: float) -> tuple[int, float] | None:
         """(shard, silent seconds) of a watched peer silent for longer than it is allowed
@@ -159,8 +199,10 @@ class ReplicaHeartbeat:
             self.last_seen = dict.fromkeys(self.last_seen, now)
         self._last_check = now
         for peer, seen in sorted(self.last_seen.items()):
-            if peer not in self.departed and now - seen > self.allowed_silence(peer):
-                return peer, now - seen
+            silent = now - seen
+            if peer not in self.departed and silent > self.timeout_s \
+                    and silent > self.allowed_silence(peer):
+                return peer, silent
         return None
 
     # -- thread ---------------------------------------------------------------------------

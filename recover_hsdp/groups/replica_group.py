@@ -87,22 +87,31 @@ def init_replica_group(replica_world, job_config, step_of: Callable[[], int]) ->
     if wiring is not None and rc.timeouts.detect_s > 0:
         group.heartbeat = start_heartbeat(wiring, rc.timeouts.detect_s, layout,
                                           job_config.job.dump_folder, step_of,
-                                          slow_phase_s=rc.timeouts.slow_phase_s)
+                                          slow_phase_s=rc.timeouts.slow_phase_s,
+                                          procs=replica_world.procs)
     return group
 
 
 def start_heartbeat(wiring, detect_timeout_s: float, layout, out_dir,
-                    step_of: Callable[[], int], slow_phase_s: float | None = None
-                    ) -> ReplicaHeartbeat:
+                    step_of: Callable[[], int], slow_phase_s: float | None = None,
+                    procs: list | None = None) -> ReplicaHeartbeat:
     """Start this rank's heartbeat; a lost peer makes this rank leave (:func:`leave_replica`).
     It starts in its start-up phase ([Note: detection margins by phase] in groups/heartbeat.py):
-    the caller says ``steady()`` after the first committed step."""
+    the caller says ``steady()`` after the first committed step. ``procs`` (world rank ->
+    ``ProcessInfo``; empty for a newcomer) lets it read a same-host peer's process: [Note:
+    silence the host can explain]."""
     beats: list[ReplicaHeartbeat] = []
+
+    def witness(shard: int):
+        rank = layout.replica * layout.ranks_per_replica + shard
+        return procs[rank].cpu_ticks() if procs and rank < len(procs) else None
 
     def lost(shard: int, silent_s: float) -> None:
         rank = layout.replica * layout.ranks_per_replica + shard
         bound = beats[0].allowed_silence(shard)
-        which = "detect_s" if bound == detect_timeout_s else "slow_phase_s (a slow phase)"
+        which = "detect_s" if bound == detect_timeout_s else (
+            "slow_phase_s (its process was seen working on this host)"
+            if shard in beats[0].working else "slow_phase_s (a slow phase)")
         leave_replica(out_dir, layout, step_of(),
                       f"replica peer shard {shard} (rank {rank}) silent for {silent_s:.1f} s > "
                       f"{which}={bound:g} (replica heartbeat)",
@@ -110,7 +119,8 @@ def start_heartbeat(wiring, detect_timeout_s: float, layout, out_dir,
 
     beats.append(ReplicaHeartbeat(wiring.sock, layout.shard, wiring.peers, wiring.token,
                                   period_s=detect_timeout_s / 4, timeout_s=detect_timeout_s,
-                                  slow_timeout_s=slow_phase_s, on_lost=lost))
+                                  slow_timeout_s=slow_phase_s, on_lost=lost,
+                                  witness=witness if procs else None))
     return beats[0].start()
 
 

@@ -218,3 +218,126 @@ def test_mpi_interface_filter():
                                    {"OMPI_MCA_btl_tcp_if_exclude": "docker0,lo"})
     assert rendezvous.mpi_uses("eth0", "10.0.0.1", {})
     assert all(not a.startswith("127.") for a in rendezvous.this_host().addresses)
+
+
+# [Note: silence the host can explain] ---------------------------------------------------------
+
+def _witnessed_pair(clock, seen):
+    a, b = open_socket("127.0.0.1"), open_socket("127.0.0.1")
+    beat = ReplicaHeartbeat(a, 0, {1: b.getsockname()}, TOKEN, period_s=1.0, timeout_s=4.0,
+                            slow_timeout_s=30.0, on_lost=print, clock=clock,
+                            witness=lambda shard: seen.get(shard))
+    peer = ReplicaHeartbeat(b, 1, {0: a.getsockname()}, TOKEN, period_s=1.0, timeout_s=4.0,
+                            on_lost=print, clock=clock)
+    beat.steady(), peer.steady()
+    return beat, peer
+
+
+@pytest.mark.parametrize("after, lost_after", [
+    (("R", 150), 30),    # used CPU since its last beat: working, starved -> the slow margin
+    (("S", 150), 30),    # sleeping between bursts of work is still work done
+    (("R", 100), 4),     # no CPU since its last beat: silence is evidence
+    (("T", 150), 4),     # stopped (SIGSTOP): never moves by itself
+    (("Z", 150), 4),     # a zombie: dead
+    (None, 4),           # gone, another host's, or a reused pid
+])
+def test_a_silent_peer_the_host_sees_working_gets_the_slow_margin(after, lost_after):
+    clock, seen = _Clock(), {1: ("S", 100)}
+    beat, peer = _witnessed_pair(clock, seen)
+    clock.now += 1.0
+    beat.received(peer.message(), clock.now)    # its last beat: 100 CPU ticks so far
+    seen[1] = after
+    found = _silence(beat, clock, 40)
+    assert found is not None and found[0] == 1
+    assert lost_after < found[1] <= lost_after + 1, found
+    assert (1 in beat.working) == (lost_after == 30)
+    beat.sock.close(), peer.sock.close()
+
+
+def test_a_beat_ends_the_explained_silence():
+    clock, seen = _Clock(), {1: ("R", 100)}
+    beat, peer = _witnessed_pair(clock, seen)
+    beat.received(peer.message(), clock.now)
+    seen[1] = ("R", 500)
+    assert _silence(beat, clock, 10) is None and 1 in beat.working
+    beat.received(peer.message(), clock.now)    # it beats again: CPU 500 is the new baseline
+    assert 1 not in beat.working
+    assert _silence(beat, clock, 6)[1] == pytest.approx(5.0)   # no CPU since: 4 s again
+    beat.sock.close(), peer.sock.close()
+
+
+_STARVED_PEER = r"""
+import math, re, sys, time
+sys.path.insert(0, sys.argv[1])
+from recover_hsdp.groups.heartbeat import ReplicaHeartbeat, open_socket
+sock = open_socket("127.0.0.1")
+print(sock.getsockname()[1], flush=True)
+ports = [int(p) for p in sys.stdin.readline().split()]
+beat = ReplicaHeartbeat(sock, 1, {0: ("127.0.0.1", ports[0]), 2: ("127.0.0.1", ports[1])},
+                        b"12345678", period_s=0.25, timeout_s=1.0,
+                        on_lost=lambda *a: None).start()
+beat.steady()
+n, took = 16, 0.0
+while took < 0.2:   # calibrated on this machine: each more "a" doubles the call
+    n += 1
+    started = time.monotonic()
+    re.match(r"(a+)+$", "a" * n + "b")
+    took = time.monotonic() - started
+n += max(1, math.ceil(math.log2(float(sys.argv[2]) / took)))
+time.sleep(1.0)
+started = time.monotonic()
+re.match(r"(a+)+$", "a" * n + "b")   # one C call holding the GIL ~argv[2] seconds
+print("done", time.monotonic() - started, flush=True)
+time.sleep(30)
+"""
+
+
+def test_real_process_a_peer_starved_by_its_own_gil_is_not_lost_a_stopped_one_is(tmp_path):
+    """A real peer process whose main thread holds the GIL in one regex (its heartbeat thread
+    cannot beat for seconds) is not declared lost by a same-host observer that reads its CPU
+    clock (an observer without that witness loses it: the control); SIGSTOPped, it is lost
+    after the steady-state timeout."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from recover_hsdp.collectives.processes import ProcessInfo, start_time
+
+    repo = str(Path(__file__).resolve().parents[2])
+    peer = subprocess.Popen([sys.executable, "-c", _STARVED_PEER, repo, "4"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(peer.stdout.readline())
+        info = ProcessInfo(ProcessInfo.current().host, peer.pid, start_time(peer.pid))
+        lost = []
+        sock = open_socket("127.0.0.1")
+        beat = ReplicaHeartbeat(sock, 0, {1: ("127.0.0.1", port)}, TOKEN, period_s=0.25,
+                                timeout_s=1.0, slow_timeout_s=60.0,
+                                on_lost=lambda *a: lost.append(a),
+                                witness=lambda shard: info.cpu_ticks())
+        control_lost = []
+        control = ReplicaHeartbeat(open_socket("127.0.0.1"), 2, {1: ("127.0.0.1", port)}, TOKEN,
+                                   period_s=0.25, timeout_s=1.0, slow_timeout_s=60.0,
+                                   on_lost=lambda *a: control_lost.append(a))
+        peer.stdin.write(f"{sock.getsockname()[1]} {control.sock.getsockname()[1]}\n")
+        peer.stdin.flush()
+        beat.start(), control.start()
+        beat.steady(), control.steady()
+        word, held = peer.stdout.readline().split()
+        assert word == "done" and float(held) > 1.5, f"the GIL held {held} s only: not a test"
+        assert lost == [] and beat.explained >= 1, (lost, beat.explained)
+        assert control_lost and control_lost[0][0] == 1, control_lost   # silence alone: lost
+        time.sleep(1.0)                         # beating again
+        os.kill(peer.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lost and lost[0][0] == 1 and 1.0 < lost[0][1] < 2.5, lost
+    finally:
+        peer.kill()
+        peer.wait()
+        for b in (locals().get("beat"), locals().get("control")):
+            if b is not None:
+                b.stand_down(say_goodbye=False)
