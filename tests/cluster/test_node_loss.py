@@ -41,9 +41,10 @@ def _names(tag: str, salt: int) -> tuple[str, str]:
     return f"{prefix}{tag}"[:8], subnet
 
 
-IN_JOB = ("--recover.tiers.daemon_keepalive_s", "0")
-"""PRRTE's own keepalive (~8 min): a cut link stays the in-job tier's for these short runs
-(with the launcher's 5 s, PRRTE ends the job and the relaunch tier takes over:
+IN_JOB = ("--recover.tiers.daemon_keepalive_s", "0", "--recover.tiers.memory_snapshot_interval", "0")
+"""PRRTE's own keepalive (~8 min) and no host-memory state: a cut link stays the in-job tier's
+for these short runs (with the launcher's keepalive PRRTE ends the job, and with host-memory
+state the launcher ends it at the emergency boundary; the relaunch tier then takes over:
 tests/cluster/test_relaunch.py)."""
 
 
