@@ -200,6 +200,7 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=4)
     parser.add_argument("--keepalive", type=float, default=30.0)
     parser.add_argument("--modes", default="memory,relaunch,by_hand")
+    parser.add_argument("--results", default="relaunch.json")
     parser.add_argument("--ranks-per-node", default="1",
                         help="S values, comma-separated: replicas of S ranks, one per node")
     parser.add_argument("--overhead-pairs", type=int, default=3)
@@ -238,7 +239,7 @@ def main() -> None:
     print(json.dumps(table, indent=2))
     if cost:
         print(json.dumps(cost["ratio_median"]))
-    write_json("relaunch.json", {"machine": machine(), "args": vars(args),
+    write_json(args.results, {"machine": machine(), "args": vars(args),
                                  "runs": runs, "table": table, "snapshot_overhead": cost})
 
 
