@@ -30,8 +30,11 @@ first metrics line of the new job), and steps redone; for the launcher's modes t
 
 The failure-free cost of host-memory state (``--overhead-pairs``): the same 2 x 1 job on this
 host with ``memory_snapshot_interval`` 0 (off) and each of ``--overhead-intervals``, run in
-interleaved rounds; the ratio of the training wall time (summary ``wall_s``) with snapshots to
-without, per round, and its median. Writes benchmarks/results/relaunch.json.
+interleaved rounds (the order rotated each round); per round the ratio with snapshots to
+without of the job's wall time (summary ``wall_s``, start-up included) and of the sum of its
+step times after the first (the steady state, where snapshots are taken), and their medians;
+then the cost per GiB of a rank's state in process (the copy on the critical path, the write
+in the background). Writes benchmarks/results/``--results`` (default relaunch.json).
 """
 
 from __future__ import annotations
@@ -144,11 +147,15 @@ def one_run(mode: str, fault: str, steps: int, interval: int, keepalive: float, 
 
 
 def overhead(pairs: int, steps: int, intervals: list[int]) -> dict:
-    """Failure-free training wall time with host-memory snapshots vs without, interleaved."""
+    """Failure-free training time with host-memory snapshots vs without, interleaved: the
+    job's wall time (start-up included) and the sum of its step times after the first (the
+    steady state, where the snapshots are taken)."""
     rounds = []
     for index in range(pairs):
-        walls = {}
-        for interval in [0, *intervals]:
+        walls, trains = {}, {}
+        order = [0, *intervals]
+        order = order[index % len(order):] + order[:index % len(order)]  # no side always first
+        for interval in order:
             out = Path(tempfile.mkdtemp(prefix="rh-snap-")) / "run"
             done = subprocess.run(
                 [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config", str(CONFIG),
@@ -159,12 +166,17 @@ def overhead(pairs: int, steps: int, intervals: list[int]) -> dict:
             if done.returncode != 0:
                 raise RuntimeError(done.stdout[-2000:] + done.stderr[-2000:])
             walls[interval] = json.loads((out / "summary.json").read_text())["wall_s"]
-        rounds.append({"round": index, "wall_s": walls,
-                       "ratio": {n: walls[n] / walls[0] for n in intervals}})
+            trains[interval] = sum(r["step_time_s"] for r in _read(out / "metrics.jsonl")
+                                   if r["step"] > 1)
+        rounds.append({"round": index, "wall_s": walls, "steps_s": trains,
+                       "ratio": {n: walls[n] / walls[0] for n in intervals},
+                       "steps_ratio": {n: trains[n] / trains[0] for n in intervals}})
         print(json.dumps(rounds[-1]), flush=True)
     return {"steps": steps, "rounds": rounds,
             "ratio_median": {n: statistics.median(r["ratio"][n] for r in rounds)
-                             for n in intervals}}
+                             for n in intervals},
+            "steps_ratio_median": {n: statistics.median(r["steps_ratio"][n] for r in rounds)
+                                   for n in intervals}}
 
 
 def copy_cost(mib: int = 512, repeats: int = 3) -> dict:
@@ -238,7 +250,7 @@ def main() -> None:
                 "steps_lost": [r["steps_lost"] for r in mine]}
     print(json.dumps(table, indent=2))
     if cost:
-        print(json.dumps(cost["ratio_median"]))
+        print(json.dumps({"wall": cost["ratio_median"], "steps": cost["steps_ratio_median"]}))
     write_json(args.results, {"machine": machine(), "args": vars(args),
                                  "runs": runs, "table": table, "snapshot_overhead": cost})
 
