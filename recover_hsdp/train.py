@@ -61,9 +61,28 @@ def _option(argv: list[str], key: str) -> str | None:
     return None
 
 
+def _failed_world_ranks() -> list[int]:
+    """The ranks of COMM_WORLD this process's MPI knows to have failed (ULFM; empty if none
+    or if it cannot tell)."""
+    try:
+        from recover_hsdp.collectives.mpi import MPI
+
+        world = MPI.COMM_WORLD
+        group, whole = world.Get_failed(), world.Get_group()
+        try:
+            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), whole)
+        finally:
+            group.Free()
+            whole.Free()
+        return [r for r in ranks if r != MPI.UNDEFINED]
+    except Exception:  # noqa: BLE001 - evidence only: never in the way of the exit
+        return []
+
+
 def _start_record(argv: list[str], exited: str | None = None) -> None:
     """[Note: start-up records] (collectives/processes.py): where this rank runs, written
-    right after MPI_Init, and its reason when it leaves through an exception. Never fails."""
+    right after MPI_Init, and its reason (with the ranks it knew failed) when it leaves
+    through an exception. Never fails."""
     out = _option(argv, "--job.dump_folder")
     rank = os.environ.get("OMPI_COMM_WORLD_RANK")
     if out is None or rank is None or os.environ.get("RECOVER_HSDP_NEWCOMER"):
@@ -71,7 +90,8 @@ def _start_record(argv: list[str], exited: str | None = None) -> None:
     try:
         from recover_hsdp.collectives.processes import write_start_record
 
-        write_start_record(out, int(rank), exited)
+        write_start_record(out, int(rank), exited,
+                           _failed_world_ranks() if exited is not None else None)
     except (OSError, ValueError):
         pass
 

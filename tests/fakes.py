@@ -276,6 +276,25 @@ class FakeWorld:
     def allgather_global(self, obj: Any) -> list[Any] | None:
         return self._collective("allgather_global", "global", self.layout.alive_ranks(), obj, list)
 
+    def send_bytes(self, data: np.ndarray, to_replicas: list[int]) -> bool:
+        """As ``FaultTolerantWorld.send_bytes``: a rendezvous of the two ranks per receiver
+        (one kind, "bytes", for both sides: the rendezvous checks they match)."""
+        for replica in to_replicas:
+            dest = self.layout.ranks_of(replica)[self.shard]
+            if self._collective("bytes", self._p2p(self.world_rank, dest),
+                                (self.world_rank, dest), data.copy(), lambda v: v[0]) is None:
+                return False
+        return True
+
+    def recv_bytes(self, from_replica: int) -> np.ndarray | None:
+        source = self.layout.ranks_of(from_replica)[self.shard]
+        return self._collective("bytes", self._p2p(source, self.world_rank),
+                                (source, self.world_rank), None, lambda v: v[0])
+
+    @staticmethod
+    def _p2p(source: int, dest: int) -> str:
+        return f"p2p{source}->{dest}"
+
     def barrier(self) -> bool:
         return self._collective("barrier", "global", self.layout.alive_ranks(), None,
                                 lambda values: True) is not None

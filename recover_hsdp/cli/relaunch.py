@@ -157,9 +157,10 @@ def lost_hosts(hosts: list[str], ev: Evidence) -> dict[str, str]:
         for reported, replicas in sorted(by_host.items()):
             if replicas <= dead and reported not in accused:
                 mark(reported, "every rank on it was declared dead")
-    else:  # ended before the world was built
+    else:  # ended before the world was built: [Note: start-up records]
+        seen = {r for record in ev.start_records.values() for r in record.get("saw_failed", ())}
         for rank, record in sorted(ev.start_records.items()):
-            if "exited" not in record:
+            if "exited" not in record and (not seen or rank in seen):
                 mark(record["host"], f"rank {rank} died during start-up")
     return lost
 

@@ -50,6 +50,40 @@ class GuardedCalls:
         """Allgather a small picklable object over the global communicator, in world-rank order."""
         return self._allgather(self._global, obj, "global")
 
+    def send_bytes(self, data: np.ndarray, to_replicas: list[int]) -> bool:
+        """Send ``data`` (uint8, C-contiguous) to the ranks of my shard position in
+        ``to_replicas`` (point to point over my shard communicator, in chunks: only they
+        receive it), one after the other. False: this epoch saw a failure."""
+        comm = self._shard
+        size = np.array([data.size], dtype=np.int64)
+        for replica in to_replicas:
+            dest = self.alive_replicas.index(replica)
+            if not self._guarded("Send(shard)", lambda d=dest: comm.Send(size, dest=d, tag=81),
+                                 comm):
+                return False
+            for lo in range(0, data.size, CHUNK_BYTES):
+                chunk = data[lo:lo + CHUNK_BYTES]
+                if not self._guarded("Send(shard)", lambda c=chunk, d=dest: comm.Send(
+                        [c, MPI.BYTE], dest=d, tag=82), comm):
+                    return False
+        return True
+
+    def recv_bytes(self, from_replica: int) -> np.ndarray | None:
+        """What the rank of my shard position in ``from_replica`` sends me with
+        :meth:`send_bytes`. None: this epoch saw a failure."""
+        comm = self._shard
+        source = self.alive_replicas.index(from_replica)
+        size = np.zeros(1, dtype=np.int64)
+        if not self._guarded("Recv(shard)", lambda: comm.Recv(size, source=source, tag=81), comm):
+            return None
+        out = np.empty(int(size[0]), dtype=np.uint8)
+        for lo in range(0, out.size, CHUNK_BYTES):
+            view = out[lo:lo + CHUNK_BYTES]
+            if not self._guarded("Recv(shard)", lambda v=view: comm.Recv(
+                    [v, MPI.BYTE], source=source, tag=82), comm):
+                return None
+        return out
+
     def barrier(self) -> bool:
         """Barrier on the global communicator. False: this epoch saw a failure."""
         return self._guarded("Barrier(global)", self._global.Barrier, self._global)

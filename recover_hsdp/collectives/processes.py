@@ -149,18 +149,27 @@ START_DIR = "start"
 a rank that dies before (MPI_Init, the bootstrap, the replica's rendezvous: the deaths the
 in-job tier cannot repair) would leave no trace of where it ran. So every rank writes
 ``start/rank<N>.json`` (its :class:`ProcessInfo`) right after MPI_Init, and a rank that leaves
-through an exception adds ``"exited"``: its reason. After a job that ended before its world was
-built, a rank with a record and no ``exited`` died hard (SIGKILL, a crash): the relaunch tier
-(``recover_hsdp.cli.relaunch``) treats its host as lost."""
+through an exception adds ``"exited"``: its reason, and ``"saw_failed"``: the world ranks its MPI
+knew to have failed then. After a job that ended before its world was built, a rank with a
+record and no ``exited`` died hard (SIGKILL, a crash), or was ended with the job while it still
+waited (e.g. in a rendezvous with the dead rank, ended by the launcher or PRRTE after the others
+left). The ranks that left name the first kind: where any ``saw_failed`` is recorded, only the
+ranks named there (and without ``exited``) make the relaunch tier (``recover_hsdp.cli.relaunch``)
+treat their hosts as lost; a rank ended with the job is no evidence against its host. Without
+any (no rank's MPI saw a failure), every rank without ``exited`` counts."""
 
 
-def write_start_record(out_dir: str | Path, rank: int, exited: str | None = None) -> None:
-    """``start/rank<rank>.json`` in ``out_dir`` (this process), with ``exited`` when given."""
+def write_start_record(out_dir: str | Path, rank: int, exited: str | None = None,
+                       saw_failed: list[int] | None = None) -> None:
+    """``start/rank<rank>.json`` in ``out_dir`` (this process), with ``exited`` and
+    ``saw_failed`` when given."""
     folder = Path(out_dir) / START_DIR
     folder.mkdir(parents=True, exist_ok=True)
     record = {**asdict(ProcessInfo.current()), "rank": rank}
     if exited is not None:
         record["exited"] = exited
+    if saw_failed:
+        record["saw_failed"] = sorted(saw_failed)
     tmp = folder / f".rank{rank}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(record))
     tmp.replace(folder / f"rank{rank}.json")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from recover_hsdp.manager.failures import FailureLog
 from recover_hsdp.manager.local_processes import LocalProcesses
 from recover_hsdp.manager.phases import PhaseHooks
@@ -53,6 +55,25 @@ class BetweenSteps:
             if self.agree(clean, phase, step, policy):
                 return values
             self.writer.refresh()
+
+    def send_between(self, data: bytes | None, source: int, targets: list[int], step: int,
+                     policy: WorkloadPolicy) -> tuple[bool, np.ndarray | None]:
+        """``data`` from replica ``source``'s rank of this shard position to the same
+        position's ranks of ``targets`` only (point to point: nobody else receives a byte), then
+        agreed by all. (True, what this rank received: None unless it is a target), or (False,
+        None) when a death interrupted it: the world was repaired, and who holds what must be
+        asked again."""
+        world = self.world
+        got, ok = None, True
+        if world.replica == source:
+            ok = world.send_bytes(np.frombuffer(data, dtype=np.uint8), targets)
+        elif world.replica in targets:
+            got = world.recv_bytes(source)
+            ok = got is not None
+        if self.agree(ok and not world.epoch_failed, "state transfer", step, policy):
+            return True, got
+        self.writer.refresh()
+        return False, None
 
     def save_checkpoint(self, save: Callable[[], str | None], step: int,
                         policy: WorkloadPolicy) -> bool:

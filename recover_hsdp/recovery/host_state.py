@@ -33,15 +33,21 @@ killed with its daemon). What is kept, where, and when:
   certified DCP checkpoint when that is newer ([Note: the relaunch tier] in cli/relaunch.py). A
   relaunched rank reads its own host's copy of its shard position (any replica's: they are
   equal); a rank on a standby or replaced host gets it from a rank of its shard position that
-  has it, over the job's fault-tolerant world at start-up. Each file's checksum is verified on
-  read, and the replicas agree that their loaded states are equal, before a step is trained.
+  has it, over the job's fault-tolerant world at start-up: point to point from one donor per
+  position to the ranks without a copy (``RecoverManager.send_between``), so the bytes on the
+  network are one file per rank that lacks one, whatever the replica count (an all-gather
+  would hand every file to every replica: R - 1 copies, in every rank's memory); a donor lost
+  meanwhile is replaced by the next holder after the repair. Each file's checksum is verified
+  on read, and the replicas agree that their loaded states are equal, before a step is trained.
 * **Cleaned**: the launcher removes the job's folder on every host it reaches when the run ends
   (whatever ends it) and before a relaunch from anything older; at a normal end the ranks
   remove their host's part after the run's last agreement (dead ranks' files there too).
 
 Cost: host memory of :data:`KEEP` generations per rank (x its shard of parameters + optimizer
 state) plus one in-flight copy; the copy's time on the critical path per snapshot
-(benchmarks/relaunch_bench.py measures it; the default interval comes from it).
+(benchmarks/relaunch_bench.py measures it; the default interval comes from it). The writer says
+at the end of a run what its generations cost it (``HostState.cost_line`` in
+titan/host_state.py): the figures to set the interval from on the user's own hardware.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import io
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -134,11 +141,11 @@ class HostStateStore:
         self.prune()
 
 
-def read_payload(source: Path | bytes) -> tuple[dict[str, Any] | None, str | None]:
+def read_payload(source: Path | bytes | memoryview) -> tuple[dict[str, Any] | None, str | None]:
     """(payload, None) if ``source`` (a file or its bytes) loads and its tensors match its
     checksum, else (None, why: one line)."""
     try:
-        data = io.BytesIO(source) if isinstance(source, bytes) else source
+        data = io.BytesIO(source) if isinstance(source, (bytes, memoryview)) else source
         payload = torch.load(data, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - a torn or foreign file is refused, not fatal
         return None, f"unreadable ({type(err).__name__}: {str(err)[:120]})"
@@ -156,19 +163,27 @@ class Snapshotter:
     copy), copies ``tensors`` to host memory (a clone on a CPU, a device-to-host copy on a GPU:
     the only part on the step's critical path) and hands the file to the thread; ``wait=True``
     (the emergency boundary) writes before it returns. :meth:`wait` returns the last write's
-    error (one line) or None."""
+    error (one line) or None. What it cost is kept: ``waited_s`` (for a write still in flight)
+    and ``copy_s`` on the critical path, ``written_s`` in the background, ``bytes`` per copy."""
 
     def __init__(self, store: HostStateStore):
         self.store = store
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self.last_written: int | None = None
+        self.waited_s = self.copy_s = self.written_s = 0.0
+        self.bytes = 0
 
     def submit(self, step: int, tensors: list[torch.Tensor], meta: dict[str, Any],
                wait: bool = False) -> str | None:
+        started = time.perf_counter()
         previous = self.wait()
+        copied = time.perf_counter()
+        self.waited_s += copied - started
         with torch.no_grad():
             copies = [t.detach().to("cpu", copy=True) for t in tensors]
+        self.copy_s += time.perf_counter() - copied
+        self.bytes = sum(t.numel() * t.element_size() for t in copies)
         payload = {"step": step, "replica": self.store.replica, "shard": self.store.shard,
                    "meta": meta, "tensors": copies}
         self._thread = threading.Thread(target=self._write, args=(step, payload),
@@ -177,12 +192,15 @@ class Snapshotter:
         return self.wait() if wait else previous
 
     def _write(self, step: int, payload: dict[str, Any]) -> None:
+        started = time.perf_counter()
         try:
             payload["checksum"] = checksum(payload["tensors"])
             self.store.write(step, payload)
             self.last_written = step
         except Exception as err:  # noqa: BLE001 - reported by wait(); training goes on
             self._error = f"host-state write of step {step}: {type(err).__name__}: {err}"
+        finally:
+            self.written_s += time.perf_counter() - started
 
     def wait(self) -> str | None:
         if self._thread is not None:

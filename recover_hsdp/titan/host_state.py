@@ -4,6 +4,8 @@ loads it (its own host's copy, else a peer's), verified and agreed before it tra
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from recover_hsdp.errors import ConfigError
@@ -26,6 +28,9 @@ class HostState:
         self.root = job_root(tiers.memory_snapshot_dir, dump_folder)
         self.store = HostStateStore(host_dir(self.root), self.manager.replica, self.manager.shard)
         self.snapshotter = Snapshotter(self.store)
+        self.generations = 0
+        self.critical_s = 0.0  # snapshot() on the step's critical path, the emergency's too
+        self._first: float | None = None
 
     @property
     def on(self) -> bool:
@@ -40,6 +45,15 @@ class HostState:
         """This rank's generation of ``step`` (the same step on every rank). ``wait`` (the
         emergency boundary): written and agreed written on every rank before it returns;
         else copied now and written in the background. Returns whether it is known written."""
+        started = time.perf_counter()
+        self._first = self._first or started
+        try:
+            return self._snapshot(step, wait)
+        finally:
+            self.generations += 1
+            self.critical_s += time.perf_counter() - started
+
+    def _snapshot(self, step: int, wait: bool) -> bool:
         trainer = self.trainer
         source = trainer.dataloader
         if getattr(source, "gathers_state", False):  # stream mode: every replica's positions
@@ -67,37 +81,58 @@ class HostState:
         part of the job's folder goes, the files of ranks that died here too (the launcher
         removes the job's folder on every host it reaches as well)."""
         self.snapshotter.wait()
+        if self.generations and self.manager.is_writer:
+            print(self.cost_line(), flush=True)
         remove_tree(self.store.directory)
         try:
             self.root.rmdir()  # the last host's to finish, where the folder is shared
         except OSError:
             pass
 
+    def cost_line(self) -> str:
+        """What the generations cost this rank, said once at the end by the writer: the
+        figures a user sets ``memory_snapshot_interval`` from."""
+        snap = self.snapshotter
+        span = time.perf_counter() - self._first if self._first else 0.0
+        share = f" ({100 * self.critical_s / span:.2f}% of the time since the first)" \
+            if span > 0 else ""
+        return (f"[recover-hsdp] host-memory state: {self.generations} generation(s) every "
+                f"{self.interval} step(s), {snap.bytes / 2**20:.1f} MiB per rank; on the step's "
+                f"critical path {self.critical_s:.3f} s{share} (copy {snap.copy_s:.3f} s, "
+                f"waiting for the previous write {snap.waited_s:.3f} s), written in the "
+                f"background {snap.written_s:.3f} s")
+
     # ---------------------------------------------------------------- load
 
     def restore(self, step: int) -> None:
         """Load ``step``'s generation into this rank ([Note: host-memory state]): this host's
         copy of its shard position, else the copy of a rank of the same position that has one
-        (over the world's shard communicator); checksum verified, then every rank agrees the
-        load succeeded and that the replicas hold equal state. Raises ``ConfigError`` (one
-        line) if any rank could not."""
+        (sent point to point over the world's shard communicator); checksum verified, then
+        every rank agrees the load succeeded and that the replicas hold equal state. Raises
+        ``ConfigError`` (one line) if any rank could not."""
         manager, shard = self.manager, self.manager.shard
         path = self.store.find(step)
         payload, why = read_payload(path) if path else (None, "no copy on this host")
-        have = manager.gather_for_checkpoint(payload is not None)  # replica -> has it
         fetched = False
-        if not all(have.values()):
+        while True:  # again after a death: who holds what is asked anew
+            have = manager.gather_for_checkpoint(payload is not None)  # replica -> has it
             donors = [r for r, ok in sorted(have.items()) if ok]
-            mine = path.read_bytes() if donors and manager.replica == donors[0] else None
-            if donors:
-                data = manager.gather_for_checkpoint(mine)[donors[0]]
-                if payload is None:
-                    payload, why = read_payload(data)
-                    fetched = payload is not None
-                    if fetched:
-                        why = None
-            elif why is None:
-                why = "no rank of this shard position holds it"
+            needy = [r for r, ok in sorted(have.items()) if not ok]
+            if not needy:
+                break
+            if not donors:
+                why = f"{why}; no rank of this shard position holds it"
+                break
+            # one donor per shard position sends its file to the ranks without one, point to
+            # point: nobody else receives a byte
+            mine = path.read_bytes() if manager.replica == donors[0] else None
+            done, data = manager.send_between(mine, donors[0], needy)
+            if not done:
+                continue
+            if data is not None:
+                payload, why = read_payload(memoryview(data))
+                fetched = payload is not None
+            break
         error = why and f"replica {manager.replica} shard {shard}: {why}"
         if payload is not None and not error:
             error = self._apply(payload, step)

@@ -91,6 +91,14 @@ def test_lost_hosts_from_every_kind_of_evidence():
                                       1: {"host": "n1", "pid": 2, "start": 1, "exited": "x"},
                                       2: {"host": "n2", "pid": 3, "start": 1}}, **base)
     assert lost_hosts(HOSTS, startup) == {"10.0.0.3": "rank 2 died during start-up"}
+    # [Note: start-up records]: rank 1 was ended with the job while it still waited (no
+    # "exited"); the ranks that left saw only rank 2 fail: n1 is not lost
+    waited = Evidence(start_records={
+        0: {"host": "n0", "pid": 1, "start": 1, "exited": "x", "saw_failed": [2]},
+        1: {"host": "n1", "pid": 2, "start": 1},
+        2: {"host": "n2", "pid": 3, "start": 1},
+        3: {"host": "n0", "pid": 4, "start": 1, "exited": "y", "saw_failed": [2]}}, **base)
+    assert lost_hosts(HOSTS, waited) == {"10.0.0.3": "rank 2 died during start-up"}
     quiet = Evidence(unanswered={"10.0.0.4"}, procs=_procs(["n0", "n1", "n2"]), **base)
     assert lost_hosts(HOSTS, quiet) == {"10.0.0.4": "did not answer the launcher's probe"}
     # mpirun's own host is never lost: the launcher runs there

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -209,6 +210,8 @@ def _check_memory(out, record, text):
     loads = [e for e in read_jsonl(out / "events.jsonl") if e.get("phase") == "host state load"]
     assert len(loads) == 1 and loads[0]["step"] == record["resume_step"], loads
     assert "resumed from the host-memory generation" in text, text[-3000:]
+    assert re.search(r"host-memory state: \d+ generation\(s\) every 2 step\(s\), [\d.]+ MiB per "
+                     r"rank; on the step's critical path", text), text[-3000:]   # its cost, said
     assert not _memory_left(out), _memory_left(out)   # every byte removed at the end
     return loads[0]
 

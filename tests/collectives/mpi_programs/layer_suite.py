@@ -102,6 +102,21 @@ class BaseTestWorld:
         self.assertTrue(self.world.barrier())
 
     # -- consensus --------------------------------------------------------------------------------
+    def testSendBytesReachesOnlyTheTargets(self):
+        w = self.world
+        if self.replicas < 2:
+            return
+        data = (np.arange(CHUNK_BYTES + 3) % 251).astype(np.uint8)   # two chunks
+        targets = list(range(1, self.replicas, 2))   # replicas 1, 3, ...
+        if w.replica == 0:
+            self.assertTrue(w.send_bytes(data, targets))
+        elif w.replica in targets:
+            got = w.recv_bytes(0)
+            self.assertIsNotNone(got)
+            np.testing.assert_array_equal(got, data)
+        self.assertTrue(w.barrier())   # the others took no part and nothing is left pending
+        self.assertTrue(w.consensus(True).clean)
+
     def testConsensusClean(self):
         res = self.world.consensus(True)
         self.assertTrue(res.clean)
