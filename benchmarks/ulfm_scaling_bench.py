@@ -2,7 +2,12 @@
 16 ... 256 MPI processes on a namespace cluster (issue 34 item 2).
 
     python benchmarks/ulfm_scaling_bench.py [--ranks 16 32 64 128 256] [--nodes 4]
-                                            [--iters 20] [--detect-s 60]
+                                            [--iters 20] [--detect-s 60] [--results F]
+
+``--detect-s 0`` runs without Open MPI's heartbeat detector (``mpi_ft_detector false``): every
+death here is a SIGKILL, which PRRTE reports on its own (the daemon sees its child exit), so
+the collectives' costs can be measured past the sizes where the detector's start-up breaks
+(below); a frozen rank or a cut link would then go unseen.
 
 Each size is one ULFM job (``recover_hsdp.collectives.mpirun`` flags, Open MPI's heartbeat
 detector on its thread with a ``--detect-s`` timeout: slowed, so 256 Python processes on 2 cores
@@ -131,8 +136,10 @@ def run_size(size: int, nodes: int, iters: int, detect_s: float, timeout_s: floa
             NetnsCluster(nodes, prefix=f"rhus{size}", subnet="10.231.77",
                          slots=per_node) as cluster:
         env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        detector = heartbeat_detector_args(detect_s, preconnect=False) if detect_s > 0 else \
+            ["--mca", "mpi_ft_detector", "false"]
         cmd = mpirun_prefix(size, env=env, extra=[
-            *heartbeat_detector_args(detect_s, preconnect=False), *cluster.mpirun_args(),
+            *detector, *cluster.mpirun_args(),
             "--map-by", f"ppr:{per_node}:node"]) + [
             sys.executable, str(Path(__file__).resolve()), "--inner", out, "--iters", str(iters),
             "--deaths", json.dumps(deaths)]
@@ -207,6 +214,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--detect-s", type=float, default=60.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--results", default="ulfm_scaling.json")
     args = parser.parse_args()
     if args.inner:
         inner(args.inner, args.iters, json.loads(args.deaths))
@@ -228,7 +236,7 @@ def write(args, rows: list[dict]) -> None:
         "agree_ms": fit_log(rows, lambda r: r.get("agree_ms")),
         "one_death_repaired_s": fit_log(rows, lambda r: r["deaths"][0]["repaired_s"]
                                         if r.get("deaths") else None)}
-    path = write_json("ulfm_scaling.json", {"machine": machine(), "detect_s": args.detect_s,
+    path = write_json(args.results, {"machine": machine(), "detect_s": args.detect_s,
                                             "iters": args.iters, "rows": rows, "fits": fits})
     print(json.dumps(fits, indent=1))
     print(f"wrote {path}")

@@ -32,11 +32,26 @@ def ssh_agent(mpi_args: list[str], environ=os.environ) -> list[str]:
     return shlex.split(environ.get("PRTE_MCA_plm_ssh_agent", "ssh").split(":")[0])
 
 
+SSH_CONNECT_TIMEOUT_S = 5
+"""ssh's ``ConnectTimeout`` for the launcher's own calls when the agent sets none: a host cut
+off answers no TCP handshake, and without it ssh waits for the kernel's SYN retries (~2 min on
+Linux), so a probe would only end at its own timeout (10 s, then 20 s); a live host's kernel
+answers the handshake at once however loaded the host is."""
+
+
 def agent_argv(agent: list[str], host: str, command: str) -> list[str]:
     """The command line that runs the shell ``command`` on ``host`` through ``agent`` (ssh
-    hands a string to the remote shell; srun runs an argv)."""
-    if os.path.basename(agent[0]) == "srun":
+    hands a string to the remote shell; srun runs an argv). An ssh agent is given
+    :data:`SSH_CONNECT_TIMEOUT_S` and ``BatchMode`` (never a prompt) unless it sets them."""
+    name = os.path.basename(agent[0])
+    if name == "srun":
         return [*agent, host, "sh", "-c", command]
+    if name == "ssh":
+        given = " ".join(agent[1:]).lower()
+        agent = [*agent,
+                 *([] if "connecttimeout" in given
+                   else ["-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}"]),
+                 *([] if "batchmode" in given else ["-o", "BatchMode=yes"])]
     return [*agent, host, command]
 
 

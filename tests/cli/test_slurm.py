@@ -44,7 +44,13 @@ def test_inside_an_allocation_the_launcher_reaches_nodes_through_srun():
     assert agent[0] == "srun" and "--overlap" in agent
     assert hosts.agent_argv(agent, "n2", "hostname")[-4:] == ["n2", "sh", "-c", "hostname"]
     assert hosts.ssh_agent([], {}) == ["ssh"]
-    assert hosts.agent_argv(["ssh"], "n2", "hostname") == ["ssh", "n2", "hostname"]
+    # ssh: a cut-off host fails the handshake in seconds, never a prompt; the user's own
+    # options win
+    assert hosts.agent_argv(["ssh"], "n2", "hostname") == [
+        "ssh", "-o", f"ConnectTimeout={hosts.SSH_CONNECT_TIMEOUT_S}", "-o", "BatchMode=yes",
+        "n2", "hostname"]
+    assert hosts.agent_argv(["/usr/bin/ssh", "-o", "ConnectTimeout=20"], "n2", "true") == [
+        "/usr/bin/ssh", "-o", "ConnectTimeout=20", "-o", "BatchMode=yes", "n2", "true"]
     explicit = ["--prtemca", "plm_ssh_agent", "/x/agent.sh", "-np"]
     assert hosts.ssh_agent(explicit, env) == ["/x/agent.sh"]   # an explicit agent wins
 
