@@ -205,6 +205,67 @@ def fit_log(rows: list[dict], key) -> dict | None:
     return {"a": a, "b_per_doubling": b, "at_100k_ranks": a + b * math.log2(100_000)}
 
 
+def combine(paths: list[str], cores: int) -> dict:
+    """[Note: extrapolating from an oversubscribed box] The result files of several runs as one
+    table (a size measured twice: the run that held, else the first), its plot
+    (``results/ulfm_scaling.png``: wall time vs ranks on log axes) and the extrapolation to 100k
+    ranks. On this box every rank of a call busy-polls its share of ``cores`` cores, so a call's
+    wall time is ~ its ranks' total CPU / ``cores``: the time one rank would take on a core of its
+    own is wall x ``cores`` / P (assumption 1). ULFM's agreement and shrink (and the guarded
+    reduce's tree) have log P depth, so that per-rank time is fitted as a + b log2 P
+    (assumption 2) and read at 100k. Not in it: the network (per hop, microseconds on a real
+    fabric, below these CPU times), a detector's timeout before the first notice, stragglers."""
+    rows: dict[int, dict] = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            held = row.get("finished") == row.get("expected_finished") and row.get("deaths")
+            if row["ranks"] not in rows or (held and not rows[row["ranks"]].get("deaths")):
+                rows[row["ranks"]] = row
+    ordered = [rows[p] for p in sorted(rows)]
+
+    def own_core(value, row):
+        return None if value is None else value * cores / row["ranks"]
+
+    keys = {
+        "reduce_ms": lambda r: r.get("reduce_ms"),
+        "agree_ms": lambda r: r.get("agree_ms"),
+        "one_death_repaired_s": lambda r: r["deaths"][0]["repaired_s"] if r.get("deaths")
+        else None}
+    fits = {name: fit_log(ordered, lambda r, k=key: own_core(k(r), r))
+            for name, key in keys.items()}
+    try:
+        _plot(ordered, keys, cores)
+    except ModuleNotFoundError as err:   # matplotlib is optional (pip install -e ".[bench]")
+        print(f"no plot ({err})")
+    return {"cores": cores, "rows": ordered, "own_core_fits": fits}
+
+
+def _plot(rows: list[dict], keys: dict, cores: int) -> None:
+    from _common import RESULTS, plt
+
+    pyplot = plt()
+    figure, axis = pyplot.subplots(figsize=(7, 4.5))
+    for name, key in keys.items():
+        points = [(r["ranks"], key(r)) for r in rows if key(r) is not None]
+        scale = 1e-3 if name.endswith("_ms") else 1.0
+        label = name.replace("_ms", "").replace("_s", "")
+        line, = axis.plot([p for p, _ in points], [v * scale for _, v in points], "o-",
+                          label=f"{label}: wall")
+        axis.plot([p for p, _ in points], [v * scale * cores / p for p, v in points], "x--",
+                  color=line.get_color(), label=f"{label}: x cores / P (one core per rank)")
+    broke = [r["ranks"] for r in rows if not r.get("deaths")]
+    for ranks in broke:
+        axis.axvline(ranks, color="red", linestyle=":", label=f"{ranks}: broke at start-up")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("MPI ranks (4 namespace nodes, 2 cores)")
+    axis.set_ylabel("seconds (slowest rank)")
+    axis.set_title("recover_hsdp.collectives alone: time vs ranks")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(RESULTS / "ulfm_scaling.png", dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--inner", help=argparse.SUPPRESS)
@@ -215,9 +276,22 @@ def main() -> None:
     parser.add_argument("--detect-s", type=float, default=60.0)
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--results", default="ulfm_scaling.json")
+    parser.add_argument("--combine", nargs="+", metavar="JSON",
+                        help="no run: merge these result files, plot, extrapolate ([Note: "
+                             "extrapolating from an oversubscribed box])")
+    parser.add_argument("--cores", type=int, default=os.cpu_count())
     args = parser.parse_args()
     if args.inner:
         inner(args.inner, args.iters, json.loads(args.deaths))
+        return
+    if args.combine:
+        from _common import machine, write_json
+
+        result = combine(args.combine, args.cores)
+        path = write_json(args.results, {"machine": machine(), "sources": args.combine,
+                                         **result})
+        print(json.dumps(result["own_core_fits"], indent=1))
+        print(f"wrote {path}")
         return
     rows = []
     for size in args.ranks:
