@@ -257,11 +257,9 @@ def test_driver_relaunches_from_the_newest_restart_point(tmp_path, monkeypatch):
 
 
 
-def test_a_relaunch_onto_fewer_replicas_keeps_b_without_a_checkpoint(tmp_path, monkeypatch,
-                                                                     capsys):
-    """[Note: the relaunch keeps B]: 3 replicas, no standby host, no checkpoint, node 2 lost
-    after step 3: the relaunch from step 0 runs 2 replicas with recover.initial_replicas = 3
-    (B = 3 x G_init, a minor), never training.global_batch_size, whatever B's divisibility."""
+def _three_hosts_answering(tmp_path, monkeypatch):
+    """An output folder, a checkpoint folder and a hostfile of 3 hosts that all answer the
+    launcher (nothing to kill), the launcher on n0."""
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     out.mkdir()
     hostfile = tmp_path / "hosts"
@@ -270,15 +268,30 @@ def test_a_relaunch_onto_fewer_replicas_keeps_b_without_a_checkpoint(tmp_path, m
                         {h: ALIASES[h] for h in hosts})
     monkeypatch.setattr(remote, "kill_remote", lambda agent, by_host, timeout=0: {})
     monkeypatch.setattr(attempts.socket, "gethostname", lambda: "n0")
+    return out, ckpt, hostfile
+
+
+def _train_args(hostfile, ranks_per_replica, per_node):
+    """``recover-hsdp train`` arguments for 3 replicas, ``per_node`` ranks on each host of
+    ``hostfile``, 10 steps."""
+    return argparse.Namespace(
+        replicas=3, ranks_per_replica=ranks_per_replica, gpus_per_node=0, ranks_per_gpu=1,
+        hostfile=None, mpi_arg=["--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent",
+                                "/agent", "--map-by", f"ppr:{per_node}:node"],
+        fault=[], overrides=["--training.steps", "10"], end_grace=1.0)
+
+
+def test_a_relaunch_onto_fewer_replicas_keeps_b_without_a_checkpoint(tmp_path, monkeypatch,
+                                                                     capsys):
+    """[Note: the relaunch keeps B]: 3 replicas, no standby host, no checkpoint, node 2 lost
+    after step 3: the relaunch from step 0 runs 2 replicas with recover.initial_replicas = 3
+    (B = 3 x G_init, a minor), never training.global_batch_size, whatever B's divisibility."""
+    out, ckpt, hostfile = _three_hosts_answering(tmp_path, monkeypatch)
     job = FakeJob(out, ckpt, [
         lambda a: (range(1, 4), LOST_DAEMON.replace("rh22bn2", "n2"),
                    _procs(["n0", "n1", "n2"]), False),
         lambda a: (range(1, 11), "", _procs(["n0", "n1"]), True)], checkpoints=False)
-    args = argparse.Namespace(
-        replicas=3, ranks_per_replica=None, gpus_per_node=0, ranks_per_gpu=1, hostfile=None,
-        mpi_arg=["--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent", "/agent",
-                 "--map-by", "ppr:1:node"], fault=[], overrides=["--training.steps", "10"],
-        end_grace=1.0)
+    args = _train_args(hostfile, ranks_per_replica=None, per_node=1)
     assert attempts.train_with_relaunch(args, job.build_job, job.supervise, {}) == 0
     second = job.commands[1]
     assert second.replicas == 2
@@ -296,14 +309,7 @@ def test_driver_relaunches_from_the_survivors_host_memory(tmp_path, monkeypatch,
     newest generation every shard position has somewhere (6 is on one host only for shard 1:
     4), on the hosts left, with ``resume_from_memory``; the job's folder is removed on every
     host it reaches at the start and the end, and said nothing about a node loss at start."""
-    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    out.mkdir()
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text("".join(f"{h} slots=8\n" for h in HOSTS[:3]))
-    monkeypatch.setattr(remote, "host_names", lambda agent, hosts, timeout=0:
-                        {h: ALIASES[h] for h in hosts})
-    monkeypatch.setattr(remote, "kill_remote", lambda agent, by_host, timeout=0: {})
-    monkeypatch.setattr(attempts.socket, "gethostname", lambda: "n0")
+    out, ckpt, hostfile = _three_hosts_answering(tmp_path, monkeypatch)
     listed, removed = [], []
     files = {"10.0.0.1": ["/s/j/n0/gen-000000004/r0-s0.pt", "/s/j/n0/gen-000000004/r0-s1.pt",
                           "/s/j/n0/gen-000000006/r0-s0.pt"],
@@ -318,11 +324,7 @@ def test_driver_relaunches_from_the_survivors_host_memory(tmp_path, monkeypatch,
                    _procs(["n0", "n0", "n1", "n1", "n2", "n2"]), False),
         lambda a: (range(5, 11), "", _procs(["n0", "n0", "n1", "n1"]), True)],
         checkpoints=False, memory_interval=2)
-    args = argparse.Namespace(
-        replicas=3, ranks_per_replica=2, gpus_per_node=0, ranks_per_gpu=1, hostfile=None,
-        mpi_arg=["--hostfile", str(hostfile), "--prtemca", "plm_ssh_agent", "/agent",
-                 "--map-by", "ppr:2:node"], fault=[], overrides=["--training.steps", "10"],
-        end_grace=1.0)
+    args = _train_args(hostfile, ranks_per_replica=2, per_node=2)
     assert attempts.train_with_relaunch(args, job.build_job, job.supervise, {}) == 0
     second = job.commands[1]
     assert second.replicas == 2

@@ -90,14 +90,19 @@ def _run(tmp_path, fault: str, salt: int, nodes: int = 4, train=TRAIN):
         rc, wall, _ = _finish(proc, out, timeout=400)
         log.close()
         text = (root / "run.log").read_text()
-        reachable = [cluster.names[i] for i in range(nodes) if i != 2]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            left = {n: p for n, p in cluster.leftover_pids().items() if n in reachable}
-            if not left:
-                break
-            time.sleep(0.5)
+        left = _left_on(cluster, [cluster.names[i] for i in range(nodes) if i != 2])
         return out, rc, text, left, cluster.addrs[2], cluster.names[2]
+
+
+def _left_on(cluster, reachable, within_s=30.0):
+    """Processes of the job still alive on the ``reachable`` nodes, waited for up to
+    ``within_s`` (the launcher ends them after the summary)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = {n: p for n, p in cluster.leftover_pids().items() if n in reachable}
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.5)
 
 
 def _check(out, rc, text, left, lost_addr, lost_name, reference, startup=False, lossless=False):
@@ -266,13 +271,7 @@ def test_replica_of_two_ranks_per_node_relaunched_from_host_memory(tmp_path, loc
             cluster.link_down(2)
             rc, _, _ = _finish(proc, out, timeout=400)
         text = (tmp_path / "run.log").read_text()
-        reachable = [cluster.names[i] for i in range(2)]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            left = {n: p for n, p in cluster.leftover_pids().items() if n in reachable}
-            if not left:
-                break
-            time.sleep(0.5)
+        left = _left_on(cluster, [cluster.names[i] for i in range(2)])
     assert rc == 0, text[-5000:]
     steps = read_jsonl(out / "metrics.jsonl")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), text[-3000:]
