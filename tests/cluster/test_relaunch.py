@@ -145,7 +145,7 @@ def test_node_killed_with_its_daemon_is_relaunched(tmp_path, failure_free_3x1):
     _check(*_run(tmp_path, "kill", 41), failure_free_3x1)
 
 
-@pytest.mark.slow  # the in-process driver tests and the default suite's killed node show the path
+@pytest.mark.slow  # the in-process driver tests and the default suite's memory cut link show it
 def test_cut_link_is_relaunched(tmp_path, failure_free_3x1):
     """Real process: node 2's link cut after step 3 (no RST): the survivors repair in-job and
     save an emergency checkpoint at the next step boundary; the launcher finds node 2 silent,
