@@ -56,24 +56,36 @@ class BetweenSteps:
                 return values
             self.writer.refresh()
 
-    def send_between(self, data: bytes | None, source: int, targets: list[int], step: int,
-                     policy: WorkloadPolicy) -> tuple[bool, np.ndarray | None]:
-        """``data`` from replica ``source``'s rank of this shard position to the same
-        position's ranks of ``targets`` only (point to point: nobody else receives a byte), then
-        agreed by all. (True, what this rank received: None unless it is a target), or (False,
-        None) when a death interrupted it: the world was repaired, and who holds what must be
-        asked again."""
+    def share_state(self, has: bool, read: Callable[[], bytes], step: int,
+                    policy: WorkloadPolicy) -> tuple[np.ndarray | None, list[int]]:
+        """A state each rank holds or lacks for its shard position (a host-memory generation:
+        [Note: host-memory state] in recovery/host_state.py), sent from one holder of each
+        position to the ranks of that position that lack it, point to point (nobody else
+        receives a byte). Every rank takes part in every round, whatever its position needs: who
+        holds what is gathered over the whole world, so the rounds and their agreements are the
+        same everywhere. A death during a transfer fails the round's agreement; the world is
+        repaired and who holds what is asked again. Returns (what this rank received: None
+        unless it lacked the state and got it, the shard positions no rank holds)."""
         world = self.world
-        got, ok = None, True
-        if world.replica == source:
-            ok = world.send_bytes(np.frombuffer(data, dtype=np.uint8), targets)
-        elif world.replica in targets:
-            got = world.recv_bytes(source)
-            ok = got is not None
-        if self.agree(ok and not world.epoch_failed, "state transfer", step, policy):
-            return True, got
-        self.writer.refresh()
-        return False, None
+        while True:
+            holders: dict[int, list[int]] = {}
+            lacking: dict[int, list[int]] = {}
+            for shard, replica, held in sorted(self.gather_global(
+                    (world.shard, world.replica, has), "state holders", step, policy)):
+                (holders if held else lacking).setdefault(shard, []).append(replica)
+            orphans = sorted(set(lacking) - set(holders))
+            if not lacking or orphans:
+                return None, orphans
+            source, targets = holders[world.shard][0], lacking.get(world.shard, [])
+            got, ok = None, True
+            if world.replica == source and targets:
+                ok = world.send_bytes(np.frombuffer(read(), dtype=np.uint8), targets)
+            elif world.replica in targets:
+                got = world.recv_bytes(source)
+                ok = got is not None
+            if self.agree(ok and not world.epoch_failed, "state transfer", step, policy):
+                return got, []
+            self.writer.refresh()
 
     def save_checkpoint(self, save: Callable[[], str | None], step: int,
                         policy: WorkloadPolicy) -> bool:

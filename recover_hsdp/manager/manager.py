@@ -611,13 +611,11 @@ class RecoverManager:
         [Note: host-memory state] in recovery/host_state.py)."""
         return self.between_steps.gather_global(local, phase, self._current_step, self.policy)
 
-    def send_between(self, data: bytes | None, source: int, targets: list[int]
-                     ) -> tuple[bool, Any]:
-        """``BetweenSteps.send_between`` after the current step: a host-memory generation from
+    def share_state(self, has: bool, read: Callable[[], bytes]) -> tuple[Any, list[int]]:
+        """``BetweenSteps.share_state`` after the current step: a host-memory generation from
         a rank that holds it to the ranks of its shard position that do not ([Note: host-memory
         state] in recovery/host_state.py)."""
-        return self.between_steps.send_between(data, source, targets, self._current_step,
-                                               self.policy)
+        return self.between_steps.share_state(has, read, self._current_step, self.policy)
 
     def save_checkpoint(self, step: int, save: Callable[[], str | None]) -> bool:
         """``BetweenSteps.save_checkpoint``: [Note: a checkpoint the survivors agree on]."""

@@ -34,10 +34,12 @@ killed with its daemon). What is kept, where, and when:
   relaunched rank reads its own host's copy of its shard position (any replica's: they are
   equal); a rank on a standby or replaced host gets it from a rank of its shard position that
   has it, over the job's fault-tolerant world at start-up: point to point from one donor per
-  position to the ranks without a copy (``RecoverManager.send_between``), so the bytes on the
+  position to the ranks without a copy (``RecoverManager.share_state``), so the bytes on the
   network are one file per rank that lacks one, whatever the replica count (an all-gather
-  would hand every file to every replica: R - 1 copies, in every rank's memory); a donor lost
-  meanwhile is replaced by the next holder after the repair. Each file's checksum is verified
+  would hand every file to every replica: R - 1 copies, in every rank's memory); who holds
+  what is gathered over the whole world, so every rank runs the same rounds even where its
+  position needs nothing (with round-robin numbering a replica's ranks sit on several hosts, and
+  positions differ); a donor lost meanwhile is replaced by the next holder after the repair. Each file's checksum is verified
   on read, and the replicas agree that their loaded states are equal, before a step is trained.
 * **Cleaned**: the launcher removes the job's folder on every host it reaches when the run ends
   (whatever ends it) and before a relaunch from anything older; at a normal end the ranks

@@ -113,26 +113,14 @@ class HostState:
         manager, shard = self.manager, self.manager.shard
         path = self.store.find(step)
         payload, why = read_payload(path) if path else (None, "no copy on this host")
+        # a rank without a copy gets one from a holder of its shard position, point to point
+        data, orphans = manager.share_state(payload is not None, lambda: path.read_bytes())
         fetched = False
-        while True:  # again after a death: who holds what is asked anew
-            have = manager.gather_for_checkpoint(payload is not None)  # replica -> has it
-            donors = [r for r, ok in sorted(have.items()) if ok]
-            needy = [r for r, ok in sorted(have.items()) if not ok]
-            if not needy:
-                break
-            if not donors:
-                why = f"{why}; no rank of this shard position holds it"
-                break
-            # one donor per shard position sends its file to the ranks without one, point to
-            # point: nobody else receives a byte
-            mine = path.read_bytes() if manager.replica == donors[0] else None
-            done, data = manager.send_between(mine, donors[0], needy)
-            if not done:
-                continue
-            if data is not None:
-                payload, why = read_payload(memoryview(data))
-                fetched = payload is not None
-            break
+        if data is not None:
+            payload, why = read_payload(memoryview(data))
+            fetched = payload is not None
+        elif payload is None and shard in orphans:
+            why = f"{why}; no rank of this shard position holds it"
         error = why and f"replica {manager.replica} shard {shard}: {why}"
         if payload is not None and not error:
             error = self._apply(payload, step)
