@@ -39,8 +39,9 @@ killed with its daemon). What is kept, where, and when:
   would hand every file to every replica: R - 1 copies, in every rank's memory); who holds
   what is gathered over the whole world, so every rank runs the same rounds even where its
   position needs nothing (with round-robin numbering a replica's ranks sit on several hosts, and
-  positions differ); a donor lost meanwhile is replaced by the next holder after the repair. Each file's checksum is verified
-  on read, and the replicas agree that their loaded states are equal, before a step is trained.
+  positions differ); a donor lost meanwhile is replaced by the next holder after the repair.
+  Each file's checksum is verified on read, and the replicas agree that their loaded states are
+  equal, before a step is trained.
 * **Cleaned**: the launcher removes the job's folder on every host it reaches when the run ends
   (whatever ends it) and before a relaunch from anything older; at a normal end the ranks
   remove their host's part after the run's last agreement (dead ranks' files there too).
