@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import statistics
 import sys
@@ -188,7 +189,8 @@ def copy_cost(mib: int = 512, repeats: int = 3) -> dict:
     from recover_hsdp.recovery.host_state import HostStateStore, checksum
 
     tensors = [torch.randn(mib * 2**20 // 4 // 8) for _ in range(8)]
-    store = HostStateStore(Path(tempfile.mkdtemp(prefix="rh-copy-", dir="/dev/shm")), 0, 0)
+    folder = Path(tempfile.mkdtemp(prefix="rh-copy-", dir="/dev/shm"))
+    store = HostStateStore(folder, 0, 0)
     copy_s, write_s = [], []
     for step in range(repeats):
         started = time.perf_counter()
@@ -198,7 +200,7 @@ def copy_cost(mib: int = 512, repeats: int = 3) -> dict:
         store.write(step, {"step": step, "tensors": copies, "meta": {},
                            "checksum": checksum(copies)})
         write_s.append(time.perf_counter() - started)
-    store.remove_own()
+    shutil.rmtree(folder, ignore_errors=True)
     gib = mib / 1024
     return {"mib": mib, "copy_s_per_gib": min(copy_s) / gib,
             "write_s_per_gib": min(write_s) / gib}
