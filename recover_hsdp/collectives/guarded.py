@@ -29,6 +29,34 @@ from recover_hsdp.collectives.mpi import MPI, buffer_type, errname
 CHUNK_BYTES = 4 << 20
 
 
+def send_chunked(call: Callable[[str, Callable[[], Any]], bool], comm: MPI.Comm,
+                 data: np.ndarray, dest: int) -> bool:
+    """``data`` (uint8, C-contiguous) to rank ``dest`` of ``comm``: its size, then chunks of at
+    most :data:`CHUNK_BYTES`. ``call(name, fn)`` runs each MPI call under the caller's guard and
+    returns False once one failed; so does this, at the first failure."""
+    size = np.array([data.size], dtype=np.int64)
+    if not call("Send(size)", lambda: comm.Send(size, dest=dest, tag=71)):
+        return False
+    return all(call("Send(state)", lambda lo=lo: comm.Send(
+        [data[lo:lo + CHUNK_BYTES], MPI.BYTE], dest=dest, tag=72))
+        for lo in range(0, data.size, CHUNK_BYTES))
+
+
+def recv_chunked(call: Callable[[str, Callable[[], Any]], bool], comm: MPI.Comm, source: int,
+                 out: np.ndarray | None = None) -> np.ndarray | None:
+    """What :func:`send_chunked` sends from rank ``source`` of ``comm`` (into ``out`` when it
+    has the right size), or None once a call failed."""
+    size = np.zeros(1, dtype=np.int64)
+    if not call("Recv(size)", lambda: comm.Recv(size, source=source, tag=71)):
+        return None
+    if out is None or out.size != int(size[0]):
+        out = np.empty(int(size[0]), dtype=np.uint8)
+    ok = all(call("Recv(state)", lambda lo=lo: comm.Recv(
+        [out[lo:lo + CHUNK_BYTES], MPI.BYTE], source=source, tag=72))
+        for lo in range(0, out.size, CHUNK_BYTES))
+    return out if ok else None
+
+
 class GuardedCalls:
     """The guarded collectives and the failure bookkeeping of a world ([Note: guarded calls])."""
 
@@ -55,34 +83,16 @@ class GuardedCalls:
         ``to_replicas`` (point to point over my shard communicator, in chunks: only they
         receive it), one after the other. False: this epoch saw a failure."""
         comm = self._shard
-        size = np.array([data.size], dtype=np.int64)
-        for replica in to_replicas:
-            dest = self.alive_replicas.index(replica)
-            if not self._guarded("Send(shard)", lambda d=dest: comm.Send(size, dest=d, tag=81),
-                                 comm):
-                return False
-            for lo in range(0, data.size, CHUNK_BYTES):
-                chunk = data[lo:lo + CHUNK_BYTES]
-                if not self._guarded("Send(shard)", lambda c=chunk, d=dest: comm.Send(
-                        [c, MPI.BYTE], dest=d, tag=82), comm):
-                    return False
-        return True
+        call = lambda name, fn: self._guarded(name, fn, comm)  # noqa: E731
+        return all(send_chunked(call, comm, data, self.alive_replicas.index(replica))
+                   for replica in to_replicas)  # stops at the first failure
 
     def recv_bytes(self, from_replica: int) -> np.ndarray | None:
         """What the rank of my shard position in ``from_replica`` sends me with
         :meth:`send_bytes`. None: this epoch saw a failure."""
         comm = self._shard
-        source = self.alive_replicas.index(from_replica)
-        size = np.zeros(1, dtype=np.int64)
-        if not self._guarded("Recv(shard)", lambda: comm.Recv(size, source=source, tag=81), comm):
-            return None
-        out = np.empty(int(size[0]), dtype=np.uint8)
-        for lo in range(0, out.size, CHUNK_BYTES):
-            view = out[lo:lo + CHUNK_BYTES]
-            if not self._guarded("Recv(shard)", lambda v=view: comm.Recv(
-                    [v, MPI.BYTE], source=source, tag=82), comm):
-                return None
-        return out
+        return recv_chunked(lambda name, fn: self._guarded(name, fn, comm), comm,
+                            self.alive_replicas.index(from_replica))
 
     def barrier(self) -> bool:
         """Barrier on the global communicator. False: this epoch saw a failure."""

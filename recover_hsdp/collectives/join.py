@@ -53,7 +53,7 @@ import numpy as np
 from recover_hsdp.collectives.guard import log_line
 from recover_hsdp.collectives.membership import JoinOffer
 from recover_hsdp.collectives.mpi import MPI
-from recover_hsdp.collectives.guarded import CHUNK_BYTES
+from recover_hsdp.collectives.guarded import recv_chunked, send_chunked
 from recover_hsdp.collectives.world import FaultTolerantWorld
 
 __all__ = ["JoinChannel", "JoinOffer", "ParentLink", "PendingJoin", "accept", "agree",
@@ -105,30 +105,10 @@ class JoinChannel:
         return None if data is None else pickle.loads(data.tobytes())
 
     def send_bytes(self, data: np.ndarray, to_world_rank: int) -> bool:
-        dest = self.merged_rank_of(to_world_rank)
-        size = np.array([data.size], dtype=np.int64)
-        if not self._call("Send(size)", lambda: self.merged.Send(size, dest=dest, tag=71)):
-            return False
-        for lo in range(0, data.size, CHUNK_BYTES):
-            chunk = data[lo:lo + CHUNK_BYTES]
-            if not self._call("Send(state)", lambda c=chunk: self.merged.Send(
-                    [c, MPI.BYTE], dest=dest, tag=72)):
-                return False
-        return True
+        return send_chunked(self._call, self.merged, data, self.merged_rank_of(to_world_rank))
 
     def recv_bytes(self, from_world_rank: int, out: np.ndarray | None = None) -> np.ndarray | None:
-        source = self.merged_rank_of(from_world_rank)
-        size = np.zeros(1, dtype=np.int64)
-        if not self._call("Recv(size)", lambda: self.merged.Recv(size, source=source, tag=71)):
-            return None
-        if out is None or out.size != int(size[0]):
-            out = np.empty(int(size[0]), dtype=np.uint8)
-        for lo in range(0, out.size, CHUNK_BYTES):
-            view = out[lo:lo + CHUNK_BYTES]
-            if not self._call("Recv(state)", lambda v=view: self.merged.Recv(
-                    [v, MPI.BYTE], source=source, tag=72)):
-                return None
-        return out
+        return recv_chunked(self._call, self.merged, self.merged_rank_of(from_world_rank), out)
 
     def agree(self, ok: bool) -> bool:
         """Stage 3's fault-tolerant agreement (uniform over the live members)."""
