@@ -98,8 +98,8 @@ def _train(train: argparse.ArgumentParser) -> None:
     train.add_argument("--config", required=True, type=config_file, help="TorchTitan TOML config")
     train.add_argument("--replicas", type=POSITIVE, default=2, help="R, data-parallel replicas")
     train.add_argument("--ranks-per-replica", type=POSITIVE, default=None,
-                       help="S, ranks per replica: FSDP degree x tensor_parallel_degree "
-                       "(default: [recover] ranks_per_replica)")
+                       help="S, ranks per replica: pipeline_parallel_degree x FSDP degree x "
+                       "tensor_parallel_degree (default: [recover] ranks_per_replica)")
     train.add_argument("--stock", action="store_true", help="stock TorchTitan HSDP via torchrun")
     train.add_argument("--out", default=None, type=output_folder,
                        help="output directory (default outputs/<config>)")

@@ -29,6 +29,7 @@ from recover_hsdp.cli.hostfile import hostfile_hosts
 from recover_hsdp.config import (
     ConfigError,
     check_batch_sizes,
+    check_pipeline,
     data_ranks_per_replica,
     deprecation_lines,
     initial_replica_count,
@@ -127,7 +128,8 @@ def build_job(args: argparse.Namespace) -> tuple[list[str], Path, object]:
     ranks_per_replica = args.ranks_per_replica or base.recover.ranks_per_replica
     ranks = args.replicas * ranks_per_replica
     fsdp_degree = data_ranks_per_replica(ranks_per_replica,
-                                         base.parallelism.tensor_parallel_degree)
+                                         base.parallelism.tensor_parallel_degree,
+                                         base.parallelism.pipeline_parallel_degree)
     train = ["--job.config_file", str(args.config), "--job.dump_folder", str(out)]
     if args.stock:
         train += ["--recover.no-enable",
@@ -147,8 +149,10 @@ def build_job(args: argparse.Namespace) -> tuple[list[str], Path, object]:
     check_batch_sizes(job.training.local_batch_size, job.training.global_batch_size,
                       initial_replica_count(job.recover.initial_replicas, args.replicas),
                       data_ranks_per_replica(
-                          ranks_per_replica, job.parallelism.tensor_parallel_degree))
+                          ranks_per_replica, job.parallelism.tensor_parallel_degree,
+                          job.parallelism.pipeline_parallel_degree))
     validate(job, world_size=ranks)
+    check_pipeline(job)  # the stock twin too
     from recover_hsdp.titan.model_spec import check_model_parallelism
 
     check_model_parallelism(job)

@@ -34,6 +34,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python < 3.11
 from recover_hsdp.config.aliases import (ALIASES, _move_aliases, deprecation_lines,  # noqa: F401
                                          resolve_aliases, warn_deprecated)
 from recover_hsdp.config.checks import (STREAMING_DATASETS, check_batch_sizes,  # noqa: F401
+                                        check_pipeline,
                                         check_world_size, data_ranks_per_replica,
                                         initial_replica_count, microbatches_per_replica,
                                         validate)

@@ -54,25 +54,31 @@ def initial_replica_count(initial_replicas: int, launched: int) -> int:
     return initial_replicas or launched
 
 
-def data_ranks_per_replica(ranks_per_replica: int, tensor_parallel_degree: int) -> int:
-    """D, the FSDP (data-parallel) degree inside a replica of S = D x T ranks, or a one-line
-    ConfigError.
+def data_ranks_per_replica(ranks_per_replica: int, tensor_parallel_degree: int,
+                           pipeline_parallel_degree: int = 1) -> int:
+    """D, the FSDP (data-parallel) degree inside a replica of S = P x D x T ranks, or a
+    one-line ConfigError.
 
     [Note: replica layout] A replica is TorchTitan's own parallel dims over its S ranks:
-    FSDP degree D x tensor-parallel degree T (``parallelism.tensor_parallel_degree``), ranks
-    ordered as TorchTitan's mesh orders them (replica rank s = d * T + t). The T ranks of one
-    FSDP rank d compute the same microbatch (TP splits the layers, not the data): data is read
-    per FSDP rank (D parts per replica), and the step's loss / token counts are counted once
-    per FSDP rank (its t = 0 rank). Every rank holds its own gradient shard (FSDP x TP), so
-    the cross-replica reduce is per replica rank s: the shard communicators of
-    :mod:`recover_hsdp.collectives` join the ranks at the same s of every replica, whatever the
-    inner layout."""
-    if tensor_parallel_degree < 1 or ranks_per_replica % tensor_parallel_degree:
+    pipeline degree P (``parallelism.pipeline_parallel_degree``) x FSDP degree D x
+    tensor-parallel degree T (``parallelism.tensor_parallel_degree``), ranks ordered as
+    TorchTitan's mesh orders them (replica rank s = p * D * T + d * T + t). The T ranks of one
+    FSDP rank d compute the same microbatch (TP splits the layers, not the data), and so do its
+    P stages (PP splits the model: [Note: pipeline stages in a replica] in titan/pipeline.py):
+    data is read per FSDP rank (D parts per replica), and the step's loss / token counts are
+    counted once per FSDP rank (its t = 0 rank of the last stage, which alone has the loss).
+    Every rank holds its own gradient shard (stage x FSDP x TP), so the cross-replica reduce
+    is per replica rank s: the shard communicators of :mod:`recover_hsdp.collectives` join the
+    ranks at the same s of every replica, whatever the inner layout."""
+    if pipeline_parallel_degree < 1 or tensor_parallel_degree < 1 \
+            or ranks_per_replica % (tensor_parallel_degree * pipeline_parallel_degree):
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree={tensor_parallel_degree} does not divide "
-            f"recover.ranks_per_replica={ranks_per_replica}: a replica is FSDP x TP ranks; set "
-            "--ranks-per-replica to FSDP degree x tensor_parallel_degree")
-    return ranks_per_replica // tensor_parallel_degree
+            f"parallelism.tensor_parallel_degree={tensor_parallel_degree} x "
+            f"pipeline_parallel_degree={pipeline_parallel_degree} does not divide "
+            f"recover.ranks_per_replica={ranks_per_replica}: a replica is PP x FSDP x TP ranks; "
+            "set --ranks-per-replica to pipeline_parallel_degree x FSDP degree x "
+            "tensor_parallel_degree")
+    return ranks_per_replica // (tensor_parallel_degree * pipeline_parallel_degree)
 
 
 def check_world_size(world_size: int, ranks_per_replica: int) -> int:
@@ -98,7 +104,8 @@ def validate(job_config, world_size: int | None = None) -> None:
                           job_config.training.global_batch_size,
                           initial_replica_count(rc.initial_replicas, replicas),
                           data_ranks_per_replica(rc.ranks_per_replica,
-                                                 job_config.parallelism.tensor_parallel_degree))
+                                                 job_config.parallelism.tensor_parallel_degree,
+                                                 job_config.parallelism.pipeline_parallel_degree))
     for name in SECTIONS:
         getattr(rc, name).check()
     _check_dataset(job_config)
@@ -113,18 +120,42 @@ def validate(job_config, world_size: int | None = None) -> None:
         raise ConfigError("training.mixed_precision_reduce must be float32 with recover.enable: "
                           "gradient-bucket snapshots restore the fp32 reduce buffer in place")
     par = job_config.parallelism
-    data_ranks_per_replica(rc.ranks_per_replica, par.tensor_parallel_degree)
-    if par.pipeline_parallel_degree != 1:
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_degree={par.pipeline_parallel_degree}: pipeline "
-            "parallelism inside a replica is not supported (TorchTitan's pipeline schedule "
-            "syncs FSDP gradients at the end of every schedule step, the step protocol needs one "
-            "sync after a variable quota of microbatches; see docs/data_and_parallelism.md "
-            "'Parallelism inside a replica'); set it to 1")
+    data_ranks_per_replica(rc.ranks_per_replica, par.tensor_parallel_degree,
+                           par.pipeline_parallel_degree)
+    check_pipeline(job_config)
     for name in ("context_parallel_degree", "expert_parallel_degree"):
         if getattr(par, name) != 1:
             raise ConfigError(f"parallelism.{name}={getattr(par, name)}: recover-hsdp supports "
-                              "FSDP x TP inside a replica; set it to 1")
+                              "PP x FSDP x TP inside a replica; set it to 1")
+
+
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+"""Schedules whose every stage syncs through ``PipelineStage.perform_reduce_grad``, which the
+step holds ([Note: pipeline stages in a replica] in titan/pipeline.py), and which run full
+backwards (a zero-bubble schedule's split weight backward is not counted per microbatch)."""
+
+
+def check_pipeline(job_config) -> None:
+    """Pipeline parallelism inside a replica (both paths), each refusal one line."""
+    par, training = job_config.parallelism, job_config.training
+    if par.pipeline_parallel_degree == 1:
+        return
+    if par.pipeline_parallel_degree < 1:
+        raise ConfigError(f"parallelism.pipeline_parallel_degree must be >= 1 (got "
+                          f"{par.pipeline_parallel_degree})")
+    if par.pipeline_parallel_schedule not in PIPELINE_SCHEDULES or \
+            par.pipeline_parallel_schedule_csv:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule={par.pipeline_parallel_schedule!r}"
+            f"{' with a schedule csv' if par.pipeline_parallel_schedule_csv else ''}: "
+            f"recover-hsdp runs {', '.join(PIPELINE_SCHEDULES)} (no schedule csv); choose one")
+    size = par.pipeline_parallel_microbatch_size
+    if size < 1 or training.local_batch_size % size:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_microbatch_size={size} does not divide "
+            f"training.local_batch_size={training.local_batch_size}: a microbatch runs through "
+            "the pipeline as local_batch_size / pipeline_parallel_microbatch_size pieces; set "
+            "it to a divisor")
 
 
 STREAMING_DATASETS = ("c4", "c4_validation")

@@ -102,10 +102,13 @@ class BucketSync:
         plane: the ``DataPlane`` of the sums (recovery/planes.py; [Note: overlapped bucket
             sums] when its ``overlap`` is true); ``None``: ``MpiDataPlane``, the world's MPI
             all-reduce through host staging.
+        passes_per_microbatch: backward passes a unit sees per microbatch: the pieces a
+            pipeline schedule cuts one microbatch into ([Note: pipeline stages in a replica]
+            in titan/pipeline.py); 1 without pipeline stages.
     """
 
     def __init__(self, units, world, host_snapshots: bool = False, on_bucket=None,
-                 hook_stream=None, plane=None):
+                 hook_stream=None, plane=None, passes_per_microbatch: int = 1):
         self.world = world
         self.on_bucket = on_bucket or (lambda index, rereduce: None)
         self.host_snapshots = host_snapshots
@@ -125,6 +128,8 @@ class BucketSync:
         self.plane: DataPlane = plane if plane is not None else MpiDataPlane(world, self.staging)
         self.overlap = self.plane.overlap
         self._pending = [0] * len(self.units)  # backward passes per unit since its last hook
+        self.passes_per_microbatch = passes_per_microbatch
+        self.counting = True  # False: forwards now are no microbatch's (a schedule's set-up)
         for index, unit in enumerate(self.units):
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_gradient_divide_factor(1.0)
@@ -136,7 +141,7 @@ class BucketSync:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, world, host_snapshots: bool = False,
-                  on_bucket=None, plane=None) -> "BucketSync":
+                  on_bucket=None, plane=None, passes_per_microbatch: int = 1) -> "BucketSync":
         """The FSDP2 units of ``model`` (root included), checked against
         [Note: FSDP2 contract]; on GPU the hook gets a stream of its own."""
         units = fsdp_units(model)
@@ -145,7 +150,8 @@ class BucketSync:
         stream = None
         if any(p.device.type == "cuda" for p in model.parameters()):
             stream = torch.cuda.Stream()
-        sync = cls(units, world, host_snapshots, on_bucket, hook_stream=stream, plane=plane)
+        sync = cls(units, world, host_snapshots, on_bucket, hook_stream=stream, plane=plane,
+                   passes_per_microbatch=passes_per_microbatch)
         for index, unit in enumerate(units):
             unit.register_forward_hook(functools.partial(_count_backward_of, sync, index))
         return sync
@@ -239,8 +245,8 @@ class BucketSync:
             snapshot.copy_(tensor)
         else:
             snapshot = tensor.detach().clone()
-        bucket = Bucket(tensor=tensor, snapshot=snapshot, unit=unit, computed=self._pending[unit])
-        self._pending[unit] = 0
+        bucket = Bucket(tensor=tensor, snapshot=snapshot, unit=unit,
+                        computed=self._take_pending(unit))
         bucket.reduced = bucket.computed if self.contributes else 0
         self.buckets.append(bucket)
         self._by_unit[unit] = bucket
@@ -267,11 +273,21 @@ class BucketSync:
                                "bucket of this step (see [Note: FSDP2 contract])")
         extra = tensor.detach().to(bucket.snapshot.device)
         bucket.extra = extra.clone() if bucket.extra is None else bucket.extra.add_(extra)
-        bucket.extras += self._pending[unit]
-        self._pending[unit] = 0
+        bucket.extras += self._take_pending(unit)
         # FSDP accumulates this buffer into .grad after the hook: make that a no-op; the extra
         # gradient enters through rereduce().
         tensor.zero_()
+
+    def _take_pending(self, unit: int) -> int:
+        """The microbatches unit ``unit``'s backward passes since its last hook make; passes
+        that do not fill whole microbatches raise (a lost pipeline piece: the hook fails the
+        epoch)."""
+        passes, self._pending[unit] = self._pending[unit], 0
+        microbatches, rest = divmod(passes, self.passes_per_microbatch)
+        if rest:
+            raise RuntimeError(f"FSDP unit {unit} saw {passes} backward passes, not a multiple "
+                               f"of the {self.passes_per_microbatch} pieces of a microbatch")
+        return microbatches
 
     def _reduce(self, bucket: Bucket) -> None:
         """Guarded cross-replica SUM of one bucket, tagged with the epoch it succeeded under,
@@ -364,8 +380,10 @@ class BucketSync:
 def _count_backward_of(sync: BucketSync, index: int, module, args, output) -> None:
     """Forward hook of FSDP unit ``index``: its output's gradient hook counts the backward
     passes that reach the unit ([Note: measured microbatches]). Not during a backward pass
-    (activation checkpointing recomputes forwards there)."""
-    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+    (activation checkpointing recomputes forwards there), nor while ``sync.counting`` is off
+    (a pipeline schedule's metadata pass: [Note: pipeline stages in a replica])."""
+    if not sync.counting or not torch.is_grad_enabled() \
+            or torch._C._current_graph_task_id() != -1:
         return
     tensor = next((t for t in torch.utils._pytree.tree_leaves(output)
                    if isinstance(t, torch.Tensor) and t.requires_grad), None)

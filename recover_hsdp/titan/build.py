@@ -45,11 +45,14 @@ def build_injector_for(job_config, placement):
 
 
 def build_manager(job_config, placement, model, outputs: RunMetrics, world, faults,
-                  procs: Sequence[ProcessInfo] = (), heartbeat=None) -> RecoverManager:
+                  procs: Sequence[ProcessInfo] = (), heartbeat=None,
+                  passes_per_microbatch: int = 1) -> RecoverManager:
     """The manager of one rank of a job: its ``world`` (:func:`build_world`), the policy from
     the ``[training]``/``[recover]`` sections, ``BucketSync`` on ``model``'s FSDP units, this
     rank's ``faults``. ``placement`` is the launch-time ``ProcessPlacement`` (bootstrap);
-    ``heartbeat``: the replica group's (``ReplicaGroup.heartbeat``; None: none)."""
+    ``heartbeat``: the replica group's (``ReplicaGroup.heartbeat``; None: none). ``model``:
+    this rank's model parts (its pipeline stages in a ``ModuleList``), ``passes_per_microbatch``
+    their schedule's pieces per microbatch ([Note: pipeline stages in a replica])."""
     from recover_hsdp.config import (data_ranks_per_replica, initial_replica_count,
                                      microbatches_per_replica)
     from recover_hsdp.recovery import BucketSync, parameter_fingerprint
@@ -58,7 +61,9 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
     rc, training = job_config.recover, job_config.training
     out_dir = job_config.job.dump_folder
     tp = job_config.parallelism.tensor_parallel_degree  # [Note: replica layout] (config/checks.py)
-    fsdp_degree = data_ranks_per_replica(placement.ranks_per_replica, tp)
+    pp = job_config.parallelism.pipeline_parallel_degree
+    fsdp_degree = data_ranks_per_replica(placement.ranks_per_replica, tp, pp)
+    last_stage = placement.shard // (fsdp_degree * tp) == pp - 1  # it alone has the loss
     # [Note: the relaunch keeps B] (cli/relaunch.py): W_init may exceed the launched count
     w_init = initial_replica_count(rc.initial_replicas, placement.replicas)
     g = microbatches_per_replica(training.local_batch_size, training.global_batch_size,
@@ -70,13 +75,14 @@ def build_manager(job_config, placement, model, outputs: RunMetrics, world, faul
                             g_raise=rc.workload.g_raise,
                             straggler=rc.bad_replicas.straggler_rule())
     manager = RecoverManager(
-        world=world, bucket_sync=BucketSync.for_model(model, world, rc.reduce.host_snapshots,
-                                                      plane=_data_plane(job_config, world, model)),
+        world=world, bucket_sync=BucketSync.for_model(
+            model, world, rc.reduce.host_snapshots, plane=_data_plane(job_config, world, model),
+            passes_per_microbatch=passes_per_microbatch),
         policy=policy,
         faults=faults,
         outputs=outputs, out_dir=out_dir,
         tokens_per_microbatch=fsdp_degree * training.local_batch_size * training.seq_len,
-        counts_data=placement.shard % tp == 0,
+        counts_data=placement.shard % tp == 0 and last_stage,
         bad_replicas=rc.bad_replicas, tiers=rc.tiers,
         parameter_fingerprint=lambda: parameter_fingerprint(model), procs=procs,
         status=RankStatus(out_dir, placement.world_rank, placement.replica, placement.shard),

@@ -42,8 +42,10 @@ class RecoverMetricsProcessor(MetricsProcessor):
 
             # the manager re-elects after failures; a replacement rank never starts as writer
             writer = current_placement().world_rank == 0 and NEWCOMER_ENV not in os.environ
-        else:
-            writer = not dist.is_initialized() or dist.get_rank() == 0
+        else:  # TorchTitan's loss is real on the last pipeline stage only: its first rank
+            last_stage = dist.get_world_size() - dist.get_world_size() // parallel_dims.pp \
+                if dist.is_initialized() else 0
+            writer = not dist.is_initialized() or dist.get_rank() == last_stage
         self.outputs = RunMetrics(job_config.job.dump_folder, is_writer=writer,
                                   mode="recover" if self.recover else "stock")
         self._last_log = time.perf_counter()
@@ -71,7 +73,8 @@ class RecoverMetricsProcessor(MetricsProcessor):
     def _stock_record(self, step: int, loss: float, now: float) -> dict[str, Any]:
         training, parallelism = self.job_config.training, self.job_config.parallelism
         world = dist.get_world_size() if dist.is_initialized() else 1
-        data_ranks = world // parallelism.tensor_parallel_degree  # TP peers share their data
+        data_ranks = world // (parallelism.tensor_parallel_degree  # TP peers and pipeline
+                               * parallelism.pipeline_parallel_degree)  # stages share data
         accumulation = microbatches_per_replica(training.local_batch_size,
                                                 training.global_batch_size, data_ranks)
         replicas = max(1, parallelism.data_parallel_replicate_degree)
@@ -131,20 +134,35 @@ class RecoverMetricsProcessor(MetricsProcessor):
         if not self.recover:
             final = None
             if self.job_config.recover.debug.save_final_params and self.model_parts:
-                final = full_tensors(self.model_parts[0])  # a collective of the stock world
+                final = full_tensors(self.model_parts, pipeline=pipeline_group(
+                    self.parallel_dims))  # a collective of the stock world
             self.write_run_outputs(final)
         super().close()
 
 
-def full_tensors(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Unsharded fp32 CPU copies of the parameters (or gradients) of ``model``: a collective
-    inside the torch.distributed world it is sharded over."""
+def full_tensors(parts, grads: bool = False, pipeline=None) -> dict[str, torch.Tensor]:
+    """Unsharded fp32 CPU copies of the parameters (or gradients) of a model's ``parts`` (a
+    module or this rank's pipeline stages): a collective inside the torch.distributed world
+    they are sharded over. ``pipeline``: the pipeline group; every stage's tensors are then
+    gathered, so each rank returns the whole model (the same names as without stages)."""
     full = {}
-    for name, param in model.named_parameters():
-        tensor = param.grad if grads else param
-        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        full[name] = tensor.detach().to("cpu", torch.float32).clone()
+    for part in [parts] if isinstance(parts, torch.nn.Module) else parts:
+        for name, param in part.named_parameters():
+            tensor = param.grad if grads else param
+            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            full[name] = tensor.detach().to("cpu", torch.float32).clone()
+    if pipeline is not None:
+        stages = [None] * dist.get_world_size(pipeline)
+        dist.all_gather_object(stages, full, group=pipeline)
+        full = {name: tensor for stage in stages for name, tensor in stage.items()}
     return full
+
+
+def pipeline_group(parallel_dims):
+    """The pipeline group of this rank, or None without pipeline stages."""
+    if not parallel_dims.pp_enabled:
+        return None
+    return parallel_dims.get_mesh("pp").get_group()
 
 
 def build_metrics_processor(job_config, parallel_dims, model_args=None,

@@ -7,6 +7,9 @@ Registered through TorchTitan's public ``register_train_spec``; configs select i
   ffn_dim_multiplier 1.5, multiple_of 256, rope_theta 500000, vocab 128256) with the output
   projection tied to the token embedding as in Llama 3.2 (1.24B parameters; untied 1.50B);
 - dataloader/tokenizer: :mod:`recover_hsdp.titan.data` (local corpus on CPU, C4 on clusters);
+- pipelining: TorchTitan's own ``pipeline_llm`` (stages of the model's layers, its schedule);
+  the loss is TorchTitan's cross-entropy behind a scale the ReCoVer step sets per microbatch
+  ([Note: pipeline stages in a replica] in titan/pipeline.py);
 - parallelize: TorchTitan's tensor parallelism (when ``tensor_parallel_degree`` > 1), then
   always FSDP2. TorchTitan falls back to DDP when the shard degree is 1, and the MPI path's
   one-rank replica world would get no data parallelism at all; both need FSDP2's all-reduce
@@ -21,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
 from torchtitan.models.llama3 import llama3_args
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -38,6 +42,7 @@ from recover_hsdp.errors import ConfigError
 from recover_hsdp.titan import data
 from recover_hsdp.titan.cpu_runtime import use_sum_reduce_scatter_on_gloo
 from recover_hsdp.titan.metrics import build_metrics_processor
+from recover_hsdp.titan.pipeline import build_microbatch_loss
 
 TRAIN_SPEC_NAME = "recover_llama3"
 
@@ -90,6 +95,13 @@ def check_model_parallelism(job_config) -> None:
     """One-line refusal of a model/parallelism pair that cannot work (launcher and ranks)."""
     args = RECOVER_LLAMA3_FLAVORS.get(job_config.model.flavor)
     tp = job_config.parallelism.tensor_parallel_degree
+    pp = job_config.parallelism.pipeline_parallel_degree
+    if pp > 1 and getattr(args, "tie_word_embeddings", False):
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree={pp} with model.flavor="
+            f"{job_config.model.flavor!r}: its output projection is tied to the token embedding, "
+            "and the pipeline puts the two in different stages; use pipeline_parallel_degree = 1 "
+            "for this flavor, or an untied one")
     if tp > 1 and getattr(args, "tie_word_embeddings", False):
         raise ConfigError(
             f"parallelism.tensor_parallel_degree={tp} with model.flavor="
@@ -106,7 +118,8 @@ def parallelize_always_fsdp(model, parallel_dims, job_config):
         model = parallelize_llama(model, parallel_dims, job_config)
     else:
         model = parallelize_llama(model, _WithoutDataParallel(parallel_dims), job_config)
-        _apply_fsdp(model, _data_parallel_mesh(parallel_dims), job_config, tied)
+        _apply_fsdp(model, _data_parallel_mesh(parallel_dims), job_config, tied,
+                    parallel_dims.pp_enabled)
     if tt_utils.device_type == "cpu":
         use_sum_reduce_scatter_on_gloo(model)
     return model
@@ -117,10 +130,11 @@ def _data_parallel_mesh(parallel_dims):
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
         return parallel_dims.get_mesh(names)
-    if parallel_dims.tp_enabled:  # the data-parallel dims of TorchTitan's own (pp, dp_replicate,
-        # fsdp, tp) mesh: TP's DTensors and FSDP's mesh must share a root mesh. Its size-1 fsdp dim
-        # has a "fake" group, which FSDP2 never calls (at size 1 it copies instead of scattering).
-        parallel_dims.get_optional_mesh("tp")  # builds the meshes
+    if parallel_dims.tp_enabled or parallel_dims.pp_enabled:  # the data-parallel dims of
+        # TorchTitan's own (pp, dp_replicate, fsdp, tp) mesh: TP's DTensors and FSDP's mesh must
+        # share a root mesh, and a stage's FSDP mesh is its slice of it. Its size-1 fsdp dim has
+        # a "fake" group, which FSDP2 never calls (at size 1 it copies instead of scattering).
+        parallel_dims.get_optional_mesh("pp")  # builds the meshes
         names = ("dp_replicate", "fsdp") if parallel_dims.dp_replicate > 1 else ("fsdp",)
         return parallel_dims._global_meshes["dense"][names]  # no public getter at degree 1
     device_type = tt_utils.device_type  # "cpu" once recover_hsdp.titan.cpu_runtime is installed
@@ -130,13 +144,13 @@ def _data_parallel_mesh(parallel_dims):
     return init_device_mesh(device_type, (1,), mesh_dim_names=("fsdp",))
 
 
-def _apply_fsdp(model, mesh, job_config, tied: bool) -> None:
+def _apply_fsdp(model, mesh, job_config, tied: bool, pp_enabled: bool) -> None:
     training = job_config.training
     param_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]
     reduce_dtype = TORCH_DTYPE_MAP[training.mixed_precision_reduce]
     if not tied:
         apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   pp_enabled=False, cpu_offload=training.enable_cpu_offload,
+                   pp_enabled=pp_enabled, cpu_offload=training.enable_cpu_offload,
                    reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward)
         return
     # Tied embeddings: the shared weight must live in one FSDP unit, so the embedding, final
@@ -157,7 +171,8 @@ def register() -> None:
         model_cls=RecoverLlama,
         model_args=RECOVER_LLAMA3_FLAVORS,
         parallelize_fn=parallelize_always_fsdp,
-        pipelining_fn=None,
+        pipelining_fn=pipeline_llm,  # TorchTitan's split: [Note: pipeline stages in a replica]
+        build_loss_fn=build_microbatch_loss,
         build_dataloader_fn=data.build_dataloader,
         build_tokenizer_fn=data.build_tokenizer,
         build_metrics_processor_fn=build_metrics_processor,

@@ -43,7 +43,9 @@ from recover_hsdp.recovery.fingerprint import state_fingerprint
 from recover_hsdp.recovery.staging import HostStaging, to_host
 from recover_hsdp.titan.build import build_injector_for, build_manager, build_world
 from recover_hsdp.titan.host_state import HostState
-from recover_hsdp.titan.metrics import full_tensors
+from recover_hsdp.titan.metrics import full_tensors, pipeline_group
+from recover_hsdp.titan.pipeline import (HeldGradientSync, pieces_per_microbatch,
+                                         schedule_stages)
 from recover_hsdp.titan.sources import SampleLog
 from recover_hsdp.workload import DataRef
 
@@ -206,9 +208,15 @@ class RecoverTrainer(Trainer):
         self._faults = build_injector_for(job_config, layout)  # phase startup: init_distributed
         with world.watchdog_paused():
             super().__init__(job_config)
-        self.manager = build_manager(job_config, layout, self.model_parts[0],
+        self._held_sync, pieces = None, 1  # [Note: pipeline stages in a replica]
+        if self.parallel_dims.pp_enabled:
+            self._held_sync = HeldGradientSync(schedule_stages(self.pp_schedule),
+                                               self._not_a_microbatch)
+            pieces = pieces_per_microbatch(self.pp_schedule)
+        self.manager = build_manager(job_config, layout, self._model,
                                      self.metrics_processor.outputs, world, self._faults,
-                                     self.replica_world.procs, self.replica_group.heartbeat)
+                                     self.replica_world.procs, self.replica_group.heartbeat,
+                                     passes_per_microbatch=pieces)
         if layout.world_rank == 0 and not self._joining:
             write_registry(job_config.job.dump_folder, self.replica_world.procs)  # launcher's
         self.host_state = HostState(self, job_config.recover.tiers, job_config.job.dump_folder)
@@ -235,16 +243,22 @@ class RecoverTrainer(Trainer):
         if not self._joining:  # the replica's group exists, the model does not yet
             self._faults.at(0, Phase.STARTUP)
         parallelism = self.job_config.parallelism  # [Note: replica layout] (config/checks.py)
-        tp = parallelism.tensor_parallel_degree
-        fsdp = layout.ranks_per_replica // tp
+        tp, pp = parallelism.tensor_parallel_degree, parallelism.pipeline_parallel_degree
+        fsdp = layout.ranks_per_replica // (tp * pp)
         parallelism.data_parallel_replicate_degree = 1
         parallelism.data_parallel_shard_degree = fsdp
-        return ParallelDims(dp_shard=fsdp, dp_replicate=1, cp=1, tp=tp, pp=1, ep=1, etp=1,
+        return ParallelDims(dp_shard=fsdp, dp_replicate=1, cp=1, tp=tp, pp=pp, ep=1, etp=1,
                             world_size=layout.ranks_per_replica)
+
+    @property
+    def _model(self) -> torch.nn.Module:
+        """This rank's model: its one part, or its pipeline stages' parts as one module."""
+        parts = self.model_parts
+        return parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts)
 
     def state_fingerprint(self) -> int:
         """This rank's parameters and optimizer state: [Note: certified checkpoints]."""
-        return state_fingerprint(self.model_parts[0], self.optimizers.optimizers)
+        return state_fingerprint(self._model, self.optimizers.optimizers)
 
     # ---------------------------------------------------------------- one step
 
@@ -278,13 +292,20 @@ class RecoverTrainer(Trainer):
     # StepWork (recover_hsdp.manager.StepWork) --------------------------------------------
 
     def set_gradient_sync(self, enabled: bool) -> None:
-        self.model_parts[0].set_requires_gradient_sync(enabled)
+        if self._held_sync is not None:  # [Note: pipeline stages in a replica]
+            self._held_sync.enabled = enabled
+        else:
+            self.model_parts[0].set_requires_gradient_sync(enabled)
 
     def forward_backward(self, data: DataRef, nominal_tokens: int, before_backward,
                          grad_factor: float = 1.0):
         input_dict, labels = self.dataloader.microbatch(data)  # [Note: microbatch sources]
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
             {k: v.to(self.device) for k, v in input_dict.items()}, labels.to(self.device))
+        if self._held_sync is not None:
+            loss = self._pipeline_step(inputs, labels, extra_inputs, extra_kwargs,
+                                       nominal_tokens, before_backward, grad_factor)
+            return loss, (labels != IGNORE_INDEX).sum(), labels.numel()
         with self.train_context():  # loss parallel (TP) covers the backward too, as in TorchTitan
             with self.maybe_enable_amp:
                 pred = self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
@@ -293,6 +314,34 @@ class RecoverTrainer(Trainer):
             before_backward()
             (loss * grad_factor if grad_factor != 1.0 else loss).backward()
         return loss.detach(), (labels != IGNORE_INDEX).sum(), labels.numel()
+
+    @contextlib.contextmanager
+    def _not_a_microbatch(self):
+        """A pipeline schedule's set-up pass: neither counted nor a loss ([Note: pipeline
+        stages in a replica])."""
+        sync = self.manager.bucket_sync
+        sync.counting = self.loss_fn.recording = False
+        try:
+            yield
+        finally:
+            sync.counting = self.loss_fn.recording = True
+
+    def _pipeline_step(self, inputs, labels, extra_inputs, extra_kwargs, nominal_tokens: int,
+                       before_backward, grad_factor: float) -> torch.Tensor:
+        """One microbatch through TorchTitan's schedule: [Note: pipeline stages in a replica].
+        The backward runs inside the schedule, interleaved with the forward pieces, so
+        ``before_backward`` comes first. Its loss: zero on a stage other than the last."""
+        self.loss_fn.begin(1.0 / nominal_tokens, grad_factor)
+        before_backward()
+        targets = labels if self.pp_has_last_stage else None
+        with self.train_context():
+            if self.pp_has_first_stage:
+                self.pp_schedule.step(inputs, **extra_inputs, **extra_kwargs, target=targets,
+                                      return_outputs=False)
+            else:
+                self.pp_schedule.step(**extra_kwargs, target=targets, return_outputs=False)
+        loss = self.loss_fn.total()
+        return loss if loss is not None else torch.zeros((), device=self.device)
 
     def measures(self, measured: list[tuple]) -> list[tuple[float, int, int]]:
         """This step's losses and valid-token counts, still on the device until now: one copy
@@ -313,8 +362,9 @@ class RecoverTrainer(Trainer):
                     param.grad.mul_(grad_scale)
         if str(self.step) in {s.strip() for s in self.job_config.recover.debug.dump_step_gradients}:
             self._dump_step_gradients()
-        grad_norm = dist_utils.clip_grad_norm_(params, self.job_config.training.max_norm,
-                                               foreach=True)
+        grad_norm = dist_utils.clip_grad_norm_(
+            params, self.job_config.training.max_norm, foreach=True,
+            pp_mesh=self.parallel_dims.get_optional_mesh("pp"))
         if not math.isfinite(float(grad_norm)):  # [Note: bad replicas]: nothing is updated,
             return float(grad_norm)              # the manager rebuilds the gradient
         self.optimizers.step()
@@ -417,8 +467,9 @@ class RecoverTrainer(Trainer):
 
     def _dump_step_gradients(self) -> None:
         """Oracle tests: full parameters before the update and the committed gradient."""
-        model = self.model_parts[0]
-        params, grads = full_tensors(model), full_tensors(model, grads=True)
+        pipeline = pipeline_group(self.parallel_dims)
+        params = full_tensors(self.model_parts, pipeline=pipeline)
+        grads = full_tensors(self.model_parts, grads=True, pipeline=pipeline)
         if self.manager.is_writer:
             torch.save({"params": params, "grads": grads},
                        f"{self.job_config.job.dump_folder}/grads_step{self.step}.pt")
@@ -434,7 +485,8 @@ class RecoverTrainer(Trainer):
         final = None
         if self.job_config.recover.debug.save_final_params:
             try:  # a collective inside the replica: a peer lost here makes the replica leave
-                final = full_tensors(self.model_parts[0])
+                final = full_tensors(self.model_parts,
+                                     pipeline=pipeline_group(self.parallel_dims))
             except Exception as err:  # noqa: BLE001
                 manager.replica_error(self.step, f"final parameter gather: {one_line(err)}")
         if getattr(self, "_trained", False):

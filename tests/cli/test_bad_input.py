@@ -46,14 +46,16 @@ def test_batch_sizes_that_do_not_divide():
     assert "training.global_batch_size=8" in line and "multiple of 6" in line
 
 
-def test_pipeline_parallelism_refused_in_one_line():
-    """[Note: replica layout]: refused by the launcher, with the reason, nothing started."""
+def test_pipeline_schedule_not_run_refused_in_one_line():
+    """[Note: pipeline stages in a replica]: a schedule whose sync the step cannot hold is
+    refused by the launcher, with the reason, nothing started."""
     result = run_cli(["train", "--config", str(DEBUG_CONFIG), "--replicas", "2",
                       "--ranks-per-replica", "2", "--", "--parallelism.pipeline_parallel_degree",
-                      "2"])
+                      "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])
     assert result.returncode == 2
-    assert "parallelism.pipeline_parallel_degree=2: pipeline parallelism inside a replica is " \
-        "not supported" in _error_line(result)
+    line = _error_line(result)
+    assert "parallelism.pipeline_parallel_schedule='ZBVZeroBubble'" in line
+    assert "1F1B, GPipe, Interleaved1F1B" in line
 
 
 def test_inner_degrees_that_cannot_work():
@@ -63,15 +65,43 @@ def test_inner_degrees_that_cannot_work():
     from recover_hsdp.titan.model_spec import check_model_parallelism
 
     assert data_ranks_per_replica(4, 2) == 2
-    with pytest.raises(ConfigError, match="tensor_parallel_degree=2 does not divide "
-                                          "recover.ranks_per_replica=3"):
+    assert data_ranks_per_replica(8, 2, 2) == 2
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=2 x pipeline_parallel_degree=1 "
+                                          "does not divide recover.ranks_per_replica=3"):
         data_ranks_per_replica(3, 2)
+    with pytest.raises(ConfigError, match="pipeline_parallel_degree=4 does not divide "
+                                          "recover.ranks_per_replica=6"):
+        data_ranks_per_replica(6, 1, 4)
     job = SimpleNamespace(model=SimpleNamespace(flavor="1B"),
-                          parallelism=SimpleNamespace(tensor_parallel_degree=2))
+                          parallelism=SimpleNamespace(tensor_parallel_degree=2,
+                                                      pipeline_parallel_degree=1))
     with pytest.raises(ConfigError, match="tied to the token embedding"):
+        check_model_parallelism(job)
+    job.parallelism.tensor_parallel_degree, job.parallelism.pipeline_parallel_degree = 1, 2
+    with pytest.raises(ConfigError, match="pipeline_parallel_degree=2 .* different stages"):
         check_model_parallelism(job)
     job.model.flavor = "debugmodel"
     check_model_parallelism(job)
+
+
+def test_pipeline_pieces_that_do_not_divide():
+    from types import SimpleNamespace
+
+    from recover_hsdp.config import ConfigError, check_pipeline
+
+    job = SimpleNamespace(
+        training=SimpleNamespace(local_batch_size=4),
+        parallelism=SimpleNamespace(pipeline_parallel_degree=2, pipeline_parallel_schedule="1F1B",
+                                    pipeline_parallel_schedule_csv="",
+                                    pipeline_parallel_microbatch_size=3))
+    with pytest.raises(ConfigError, match="pipeline_parallel_microbatch_size=3 does not divide "
+                                          "training.local_batch_size=4"):
+        check_pipeline(job)
+    job.parallelism.pipeline_parallel_microbatch_size = 2
+    check_pipeline(job)
+    job.parallelism.pipeline_parallel_schedule_csv = "my.csv"
+    with pytest.raises(ConfigError, match="with a schedule csv"):
+        check_pipeline(job)
 
 
 def test_world_size_not_matching_ranks_per_replica_is_refused_in_one_line():

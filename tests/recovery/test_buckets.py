@@ -393,6 +393,29 @@ def test_hook_misuse_fails_the_epoch_without_raising(misuse, reason):
             assert torch.equal(buckets[unit], oracle([0, 1], unit))
 
 
+def test_pipeline_pieces_counted_as_microbatches_and_a_lost_piece_fails_the_epoch():
+    """[Note: pipeline stages in a replica]: a unit sees one backward per piece; 2 microbatches
+    of 3 pieces count 2, and a unit short of one piece fails the epoch (not a wrong count)."""
+    hub = FakeHub(2)
+
+    def rank(world):
+        units = [FakeUnit(f"unit{u}") for u in range(N)]
+        sync = BucketSync(units, world, passes_per_microbatch=3)
+        sync.begin_step(contributes=True)
+        for unit in range(N):
+            for _ in range(2 * 3 - (1 if world.replica == 1 and unit == 2 else 0)):
+                sync.count_backward(unit)
+        backward(units, world.replica)
+        failed = world.epoch_failed
+        return failed, sorted(b.computed for b in sync.buckets), sync.error
+
+    out = values_of(run_ranks(hub, rank))
+    assert out[(0, 0)][1:] == ([2] * N, None)     # its epoch fails with the others' (a bucket
+    failed, computed, error = out[(1, 0)]          # the other replica did not reduce)
+    assert failed and computed == [2] * (N - 1)    # unit 2's bucket was never taken
+    assert "FSDP unit 2 saw 5 backward passes, not a multiple of the 3 pieces" in error
+
+
 def test_error_without_message_inside_the_hook_is_recorded_not_raised():
     """An exception with an empty message (``str(err) == ""``) inside the hook must not escape
     it while being formatted: it fails the epoch and is recorded as the replica's error."""

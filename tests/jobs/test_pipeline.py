@@ -1,0 +1,101 @@
+"""A replica that is a pipeline ([Note: pipeline stages in a replica] in titan/pipeline.py).
+
+- Equivalence: 2 replicas x (PP 2) and 2 x (PP 2 x TP 2) against stock TorchTitan HSDP + PP
+  with the same config (G = 2, so the held sync carries a microbatch's gradient to the next):
+  per-step loss within 1e-4, final parameters allclose. The optimizer is made indifferent to
+  the gradient's scale on both sides (no clipping, Adam's eps 1e-30): TorchTitan 0.2.2 under PP
+  backpropagates the token sum (it divides the logged loss only), a gradient the step's tokens
+  times larger than the one without stages, which ReCoVer keeps; clipping at max_norm = 1 cuts
+  the one and not the other, and eps = 1e-8 weighs on an embedding row's tiny gradient at one
+  scale and not at the other (measured with both: losses within 4e-4, embedding rows 1.6e-3
+  apart). The gradient itself is checked against the one-process oracle by the kill test.
+- Real kill: 3 replicas x PP 2, the stage-1 rank of replica 1 SIGKILLed in the gradient sync
+  after 2 buckets: its stage-0 peer leaves with it, B measured every step, and the gradient
+  committed in the failure step equals the one recomputed on one process from the ledger's
+  microbatch ids (the oracle; the dump gathers every stage).
+- Frozen: a stage-0 rank SIGSTOPped mid-step: the replica heartbeat ends its stage-1 peer,
+  blocked in a pipeline receive (slow).
+"""
+
+import pytest
+import torch
+
+from conftest import DEBUG_CONFIG, read_jsonl, run_cli
+from oracle import committed_refs, recompute_gradient
+from recover_hsdp.collectives.processes import read_registry
+from recover_hsdp.workload.ledger import read_ledger
+
+G, LBS, STEPS = 2, 2, 5
+PP = ("--parallelism.pipeline_parallel_degree", "2")
+SCALE_FREE = ("--training.max_norm", "1e9", "--optimizer.eps", "1e-30")
+
+
+def _train(out, replicas, ranks, *, stock=False, faults=(), extra=(), timeout=400):
+    args = ["train", "--config", str(DEBUG_CONFIG), "--replicas", str(replicas),
+            "--ranks-per-replica", str(ranks), "--out", str(out)]
+    if stock:
+        args.append("--stock")
+    for fault in faults:
+        args += ["--fault", fault]
+    result = run_cli(args + ["--", "--training.steps", str(STEPS), *extra], timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    (out / "stdout.log").write_text(result.stdout)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.soak)])  # 8 ranks: soak
+def test_pipeline_replicas_match_stock_hsdp_pp(tmp_path, local_corpus, tp):
+    """Real process: TorchTitan's pipeline split and 1F1B schedule in replicas against stock
+    HSDP + PP under torchrun."""
+    ranks = 2 * tp
+    extra = (*PP, *SCALE_FREE, "--parallelism.tensor_parallel_degree", str(tp),
+             "--recover.debug.save_final_params",
+             "--training.global_batch_size", str(G * 2 * LBS))
+    mpi = _train(tmp_path / "mpi", 2, ranks, extra=extra)
+    stock = _train(tmp_path / "stock", 2, ranks, stock=True, extra=extra)
+    mpi_steps, stock_steps = read_jsonl(mpi / "metrics.jsonl"), read_jsonl(stock / "metrics.jsonl")
+    assert [s["step"] for s in mpi_steps] == list(range(1, STEPS + 1)) \
+        == [s["step"] for s in stock_steps]
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(mpi_steps, stock_steps)]
+    assert max(diffs) <= 1e-4, diffs
+    assert abs(mpi_steps[0]["loss"] - mpi_steps[-1]["loss"]) > 1e-3  # it trained
+    for a, b in zip(mpi_steps, stock_steps):
+        assert a["reduced_microbatches"] == G * 2 and a["g"] == G    # measured, every stage
+        assert a["tokens"] == b["tokens"] == G * 2 * LBS * 128       # counted once per stage
+    mpi_params, stock_params = (torch.load(d / "final_params.pt") for d in (mpi, stock))
+    assert mpi_params.keys() == stock_params.keys()
+    assert any(name.startswith("tok_embeddings") for name in mpi_params)  # both stages in it
+    assert any(name.startswith("output") for name in mpi_params)
+    for name in mpi_params:
+        torch.testing.assert_close(mpi_params[name], stock_params[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_stage_rank_killed_mid_sync_replica_leaves_as_a_unit(tmp_path, local_corpus):
+    """Real process: the last stage's rank SIGKILLed mid-sync; its first-stage peer leaves."""
+    out = _train(tmp_path / "pp", 3, 2,
+                 faults=["replica=1,step=2,phase=grad_sync,bucket=2,rank=1"],
+                 extra=(*PP, "--training.global_batch_size", str(G * 3 * LBS),
+                        "--recover.timeouts.hang_s", "10",
+                        "--recover.debug.dump_step_gradients", "2"))
+    steps = read_jsonl(out / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert all(s["reduced_microbatches"] == G * 3 for s in steps)  # B = 6, measured
+    assert [s["alive_replicas"] for s in steps] == [3, 2, 2, 2, 2]
+    events = read_jsonl(out / "events.jsonl")
+    assert [e["dead_replicas"] for e in events] == [[1]], events
+    assert events[0]["extra_microbatches"] == G               # replica 1's, absorbed
+    procs = read_registry(out)
+    assert [procs[r].state() for r in (2, 3)] == [None, None]  # both stages of replica 1 gone
+
+    entry = [e for e in read_ledger(out) if e.step == 1][0]
+    assert list(entry.failures) == [1]
+    refs = committed_refs(entry)
+    assert [r.index for r in refs] == list(range(G * 3, 2 * G * 3))  # step 2's ids, exactly
+    dump = torch.load(out / "grads_step2.pt")
+    assert any(name.startswith("output") for name in dump["grads"])  # the last stage's too
+    oracle = recompute_gradient(dump["params"], refs, 1)
+    for name, grad in dump["grads"].items():
+        torch.testing.assert_close(grad, oracle[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
