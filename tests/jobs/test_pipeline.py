@@ -13,8 +13,9 @@
   after 2 buckets: its stage-0 peer leaves with it, B measured every step, and the gradient
   committed in the failure step equals the one recomputed on one process from the ledger's
   microbatch ids (the oracle; the dump gathers every stage).
-- Frozen: a stage-0 rank SIGSTOPped mid-step: the replica heartbeat ends its stage-1 peer,
-  blocked in a pipeline receive (slow).
+- Frozen, then rejoin: a stage-0 rank SIGSTOPped mid-step is ended, its stage-1 peer leaves
+  with it, a replacement pipeline replica is spawned and rejoins (G back); the loss within 1e-3
+  of the failure-free run (slow).
 """
 
 import pytest
@@ -30,14 +31,15 @@ PP = ("--parallelism.pipeline_parallel_degree", "2")
 SCALE_FREE = ("--training.max_norm", "1e9", "--optimizer.eps", "1e-30")
 
 
-def _train(out, replicas, ranks, *, stock=False, faults=(), extra=(), timeout=400):
+def _train(out, replicas, ranks, *, stock=False, faults=(), extra=(), timeout=400,
+           steps=STEPS):
     args = ["train", "--config", str(DEBUG_CONFIG), "--replicas", str(replicas),
             "--ranks-per-replica", str(ranks), "--out", str(out)]
     if stock:
         args.append("--stock")
     for fault in faults:
         args += ["--fault", fault]
-    result = run_cli(args + ["--", "--training.steps", str(STEPS), *extra], timeout=timeout)
+    result = run_cli(args + ["--", "--training.steps", str(steps), *extra], timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     (out / "stdout.log").write_text(result.stdout)
     return out
@@ -99,3 +101,38 @@ def test_stage_rank_killed_mid_sync_replica_leaves_as_a_unit(tmp_path, local_cor
     for name, grad in dump["grads"].items():
         torch.testing.assert_close(grad, oracle[name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_frozen_first_stage_rank_then_the_pipeline_replica_rejoins(tmp_path, local_corpus):
+    """Real process: a stage-0 rank SIGSTOPped in its backward; the survivors end it, its
+    stage-1 peer (blocked in a pipeline receive or the replica's gloo) leaves; a replacement
+    pipeline replica is spawned, takes both stages' state from a donor's same-stage ranks and
+    rejoins (G back to 2); every step B, parameters agreed every step, the loss within 1e-3 of
+    the failure-free run, nothing left alive."""
+    common = (*PP, "--training.global_batch_size", str(G * 3 * LBS),
+              "--recover.timeouts.hang_s", "10",
+              "--recover.bad_replicas.consistency_check_interval", "1")
+    out = _train(tmp_path / "pp", 3, 2, faults=["replica=1,step=2,phase=backward,rank=0,mode=stop"],
+                 extra=(*common, "--recover.tiers.respawn_after_steps", "1"), timeout=600,
+                 steps=40)
+    reference = read_jsonl(_train(tmp_path / "ref", 3, 2, extra=common, timeout=600, steps=40)
+                           / "metrics.jsonl")
+    steps = read_jsonl(out / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 41))
+    assert all(s["reduced_microbatches"] == G * 3 for s in steps)   # B, measured
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(steps, reference)]
+    assert max(diffs) <= 1e-3, diffs
+    events = read_jsonl(out / "events.jsonl")
+    death = events[0]
+    assert death["dead_replicas"] == [1] and death["step"] == 2
+    assert death["detect_s"] < 15                                    # not the hang watchdog
+    joins = [e for e in events if e.get("phase") == "join" and e["ok"]]
+    assert joins and joins[-1]["joined_replicas"] == [1], events
+    joined_at = joins[-1]["step"]
+    for record in steps:
+        expected = (3, G) if record["step"] >= joined_at else \
+            (2, 3) if record["step"] > 2 else (record["alive_replicas"], G)
+        assert (record["alive_replicas"], record["g"]) == expected, record
+    procs = read_registry(out)
+    assert [p.pid for p in procs if p.state() not in (None, "Z")] == []
