@@ -18,6 +18,8 @@
   of the failure-free run (slow).
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -136,3 +138,34 @@ def test_frozen_first_stage_rank_then_the_pipeline_replica_rejoins(tmp_path, loc
         assert (record["alive_replicas"], record["g"]) == expected, record
     procs = read_registry(out)
     assert [p.pid for p in procs if p.state() not in (None, "Z")] == []
+
+
+@pytest.mark.slow
+def test_checkpoint_with_stages_saved_after_a_stage_death_then_restarted_on_fewer(tmp_path,
+                                                                                  local_corpus):
+    """Real process, on the torch data plane: the saving replica's stage-1 rank SIGKILLed
+    inside the step-4 DCP save; the next replica saves step 4 again (both stages), the run goes
+    on; restarted from that checkpoint on 2 replicas, certified and verified on load, it
+    continues with G raised and the same losses (exact mode: the same microbatches)."""
+    ckpt = tmp_path / "ckpt"
+    common = (*PP, "--training.global_batch_size", str(G * 3 * LBS),
+              "--recover.timeouts.hang_s", "10", "--checkpoint.enable", "--checkpoint.interval",
+              "2")
+    first = read_jsonl(_train(tmp_path / "three", 3, 2,
+                              faults=["replica=0,step=4,phase=checkpoint,rank=1"], steps=6,
+                              extra=(*common, "--checkpoint.folder", str(ckpt),
+                                     "--recover.reduce.plane", "torch")) / "metrics.jsonl")
+    assert [s["alive_replicas"] for s in first] == [3, 3, 3, 3, 2, 2]
+    saves = [e for e in read_jsonl(tmp_path / "three" / "events.jsonl")
+             if e.get("phase") == "checkpoint"]
+    assert [(e["step"], e["saved_by"], e["redone"], e["saved"]) for e in saves] == [
+        (4, 1, True, True)]
+    (tmp_path / "ckpt2").mkdir()
+    shutil.copytree(ckpt / "step-4", tmp_path / "ckpt2" / "step-4")
+    resumed = read_jsonl(_train(tmp_path / "two", 2, 2, steps=6, extra=(
+        *common, "--checkpoint.folder", str(tmp_path / "ckpt2"), "--checkpoint.load_step", "4"))
+        / "metrics.jsonl")
+    assert [(s["step"], s["g"], s["reduced_microbatches"]) for s in resumed] == [
+        (5, 3, 6), (6, 3, 6)]
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(resumed, first[4:])]
+    assert max(diffs) <= 1e-4, diffs
