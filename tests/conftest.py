@@ -12,6 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = REPO / "torchtitan_configs" / "debug_cpu.toml"
+PIPELINE_CONFIG = REPO / "torchtitan_configs" / "debug_cpu_pp.toml"  # 2 stages per replica
 CACHE = REPO / "outputs" / "cache" / "local_corpus"
 
 

@@ -156,6 +156,10 @@ def build_job(args: argparse.Namespace) -> tuple[list[str], Path, object]:
     from recover_hsdp.titan.model_spec import check_model_parallelism
 
     check_model_parallelism(job)
+    if not args.hostfile and not _gpus_per_node(args):  # every rank in this host's RAM
+        from recover_hsdp.titan.fit import check_fits, host_memory_bytes
+
+        check_fits(job, ranks_per_replica, ranks, host_memory_bytes(), "this host's RAM")
     launcher = _launcher(args, job, ranks)
     return [*launcher, "-m", "recover_hsdp.train", *train], out, job
 

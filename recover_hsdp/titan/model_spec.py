@@ -3,6 +3,8 @@
 Registered through TorchTitan's public ``register_train_spec``; configs select it with
 ``[model] name = "recover_llama3"``. Differences from the stock ``llama3`` spec:
 
+- flavor ``7B``: the paper's 7B (Llama 2 7B blocks with the Llama 3 vocabulary, untied; the
+  3D layout of ``torchtitan_configs/llama3_7b_3d.toml``);
 - flavor ``1B``: the Llama 3.2 1B shape (dim 2048, 16 layers, 32 heads, 8 KV heads,
   ffn_dim_multiplier 1.5, multiple_of 256, rope_theta 500000, vocab 128256) with the output
   projection tied to the token embedding as in Llama 3.2 (1.24B parameters; untied 1.50B);
@@ -70,6 +72,10 @@ RECOVER_LLAMA3_FLAVORS = {
     # a larger CPU model for benchmarks (e.g. the rejoin transfer): dim 512, 8 layers, 26M params
     "cpu_large": RecoverLlamaArgs(dim=512, n_layers=8, n_heads=8, vocab_size=2048,
                                   rope_theta=500000),
+    # the paper's 7B (Llama 2 7B blocks: dim 4096, 32 layers, 32 heads, MHA, FFN 11008) with the
+    # Llama 3 tokenizer's vocabulary, untied (pipeline stages split the two ends): 7.5B params
+    "7B": RecoverLlamaArgs(dim=4096, n_layers=32, n_heads=32, multiple_of=256,
+                           rope_theta=500000, vocab_size=128256),
     "1B": RecoverLlamaArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
         multiple_of=256, rope_theta=500000, vocab_size=128256, tie_word_embeddings=True,

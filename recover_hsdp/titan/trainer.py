@@ -194,6 +194,8 @@ class RecoverTrainer(Trainer):
         self._joining = newcomer is not None
         validate(job_config, world_size=newcomer.world_size if newcomer
                  else MPI.COMM_WORLD.Get_size())
+        if torch.cuda.is_available():  # the launcher checked a CPU layout's RAM
+            _check_fits_the_gpu(job_config, ranks_per_replica)
         # the job's order of ranks, whatever mpirun's: [Note: host-interleaved ranks]
         comm = MPI.COMM_WORLD if newcomer else job_communicator()
         self.replica_world = bootstrap_replica(ranks_per_replica,
@@ -498,6 +500,17 @@ class RecoverTrainer(Trainer):
             self.metrics_processor.write_run_outputs(final)
             manager.close()
         super().close()  # checkpointer, TorchTitan's loggers
+
+
+def _check_fits_the_gpu(job_config, ranks_per_replica: int) -> None:
+    """This rank's GPU (shared by ``ranks_per_gpu`` ranks) holds its training state, or one
+    line (recover_hsdp/titan/fit.py)."""
+    from recover_hsdp.collectives.mpirun import RANKS_PER_GPU_ENV
+    from recover_hsdp.titan.fit import check_fits
+
+    device = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0) or 0))
+    check_fits(job_config, ranks_per_replica, int(os.environ.get(RANKS_PER_GPU_ENV, 1) or 1),
+               device.total_memory, f"this rank's GPU ({device.name})")
 
 
 def mark_incomplete(checkpoint_dir: str) -> None:

@@ -23,19 +23,18 @@ import shutil
 import pytest
 import torch
 
-from conftest import DEBUG_CONFIG, read_jsonl, run_cli
+from conftest import PIPELINE_CONFIG, REPO, read_jsonl, run_cli
 from oracle import committed_refs, recompute_gradient
 from recover_hsdp.collectives.processes import read_registry
 from recover_hsdp.workload.ledger import read_ledger
 
 G, LBS, STEPS = 2, 2, 5
-PP = ("--parallelism.pipeline_parallel_degree", "2")
 SCALE_FREE = ("--training.max_norm", "1e9", "--optimizer.eps", "1e-30")
 
 
 def _train(out, replicas, ranks, *, stock=False, faults=(), extra=(), timeout=400,
            steps=STEPS):
-    args = ["train", "--config", str(DEBUG_CONFIG), "--replicas", str(replicas),
+    args = ["train", "--config", str(PIPELINE_CONFIG), "--replicas", str(replicas),
             "--ranks-per-replica", str(ranks), "--out", str(out)]
     if stock:
         args.append("--stock")
@@ -53,7 +52,7 @@ def test_pipeline_replicas_match_stock_hsdp_pp(tmp_path, local_corpus, tp):
     """Real process: TorchTitan's pipeline split and 1F1B schedule in replicas against stock
     HSDP + PP under torchrun."""
     ranks = 2 * tp
-    extra = (*PP, *SCALE_FREE, "--parallelism.tensor_parallel_degree", str(tp),
+    extra = (*SCALE_FREE, "--parallelism.tensor_parallel_degree", str(tp),
              "--recover.debug.save_final_params",
              "--training.global_batch_size", str(G * 2 * LBS))
     mpi = _train(tmp_path / "mpi", 2, ranks, extra=extra)
@@ -80,7 +79,7 @@ def test_stage_rank_killed_mid_sync_replica_leaves_as_a_unit(tmp_path, local_cor
     """Real process: the last stage's rank SIGKILLed mid-sync; its first-stage peer leaves."""
     out = _train(tmp_path / "pp", 3, 2,
                  faults=["replica=1,step=2,phase=grad_sync,bucket=2,rank=1"],
-                 extra=(*PP, "--training.global_batch_size", str(G * 3 * LBS),
+                 extra=("--training.global_batch_size", str(G * 3 * LBS),
                         "--recover.timeouts.hang_s", "10",
                         "--recover.debug.dump_step_gradients", "2"))
     steps = read_jsonl(out / "metrics.jsonl")
@@ -112,7 +111,7 @@ def test_frozen_first_stage_rank_then_the_pipeline_replica_rejoins(tmp_path, loc
     pipeline replica is spawned, takes both stages' state from a donor's same-stage ranks and
     rejoins (G back to 2); every step B, parameters agreed every step, the loss within 1e-3 of
     the failure-free run, nothing left alive."""
-    common = (*PP, "--training.global_batch_size", str(G * 3 * LBS),
+    common = ("--training.global_batch_size", str(G * 3 * LBS),
               "--recover.timeouts.hang_s", "10",
               "--recover.bad_replicas.consistency_check_interval", "1")
     out = _train(tmp_path / "pp", 3, 2, faults=["replica=1,step=2,phase=backward,rank=0,mode=stop"],
@@ -148,7 +147,7 @@ def test_checkpoint_with_stages_saved_after_a_stage_death_then_restarted_on_fewe
     on; restarted from that checkpoint on 2 replicas, certified and verified on load, it
     continues with G raised and the same losses (exact mode: the same microbatches)."""
     ckpt = tmp_path / "ckpt"
-    common = (*PP, "--training.global_batch_size", str(G * 3 * LBS),
+    common = ("--training.global_batch_size", str(G * 3 * LBS),
               "--recover.timeouts.hang_s", "10", "--checkpoint.enable", "--checkpoint.interval",
               "2")
     first = read_jsonl(_train(tmp_path / "three", 3, 2,
@@ -169,3 +168,22 @@ def test_checkpoint_with_stages_saved_after_a_stage_death_then_restarted_on_fewe
         (5, 3, 6), (6, 3, 6)]
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(resumed, first[4:])]
     assert max(diffs) <= 1e-4, diffs
+
+
+@pytest.mark.parametrize("stock", [False, True])
+def test_the_papers_3d_config_is_refused_where_it_cannot_fit(tmp_path, stock):
+    """torchtitan_configs/llama3_7b_3d.toml (and its stock twin) on this CPU host: one line
+    naming what is missing, nothing started."""
+    name = "llama3_7b_3d_stock.toml" if stock else "llama3_7b_3d.toml"
+    (tmp_path / "c4").mkdir()  # past the dataset's own check: the model is what cannot fit
+    result = run_cli(["train", "--config", str(REPO / "torchtitan_configs" / name),
+                      "--replicas", "2", "--ranks-per-replica", "8", "--out", str(tmp_path / "o"),
+                      *(["--stock"] if stock else []),
+                      "--", "--training.dataset_path", str(tmp_path / "c4")], timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert "model.flavor='7B' does not fit: 16 rank(s) of 14.0 GiB each" in lines[0]
+    assert "pipeline_parallel_degree=2 x tensor_parallel_degree=4" in lines[0]
+    assert "this host's RAM has" in lines[0]
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
