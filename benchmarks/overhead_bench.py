@@ -3,6 +3,7 @@
     python benchmarks/overhead_bench.py [--layouts 2x1,2x2,4x1] [--g 1,4] [--pairs 3] [--steps 12]
     python benchmarks/overhead_bench.py --detector     # detector on vs off, same A/B scheme
     python benchmarks/overhead_bench.py --tp 2 --layouts 2x2,2x4 --g 2   # FSDP x TP replicas
+    python benchmarks/overhead_bench.py --pp 2 --layouts 2x2 --g 1,4     # pipeline replicas
     python benchmarks/overhead_bench.py --planes --layouts 4x1 --g 1,4   # mpi vs torch data plane
 
 Each pair runs the two modes back to back on the same machine with the same config, data and
@@ -14,10 +15,13 @@ G x R x S x local batch): G = 1, and G = 4 as in the 1B config. Prints the per-l
 the per-pair ratios (recover / stock) and writes benchmarks/results/overhead.json and
 overhead.png. ``--quick``: layouts 2x1,2x2, 2 pairs, 8 steps. ``--tp T``: S ranks per replica
 are FSDP S/T x TP T (stock: HSDP + TP with the same degrees); global batch G x R x S/T x local
-batch; results in overhead_tp.json / overhead_tp.png. ``--planes``: each round runs stock, ReCoVer
-on the ``mpi`` data plane and on the ``torch`` one back to back (same work), then one run per
-plane with a replica SIGKILLed in step 6's gradient sync: its stall is that step's time less
-the median step; results in overhead_planes.json.
+batch; results in overhead_tp.json / overhead_tp.png. ``--pp P``: each replica a pipeline of P
+stages (1F1B, TorchTitan's split; stock: HSDP + PP, which runs its schedule and its FSDP sync
+once per microbatch, ReCoVer once per microbatch with the sync held to the last: [Note: pipeline
+stages in a replica]); results in overhead_pp.json / overhead_pp.png. ``--planes``: each round
+runs stock, ReCoVer on the ``mpi`` data plane and on the ``torch`` one back to back (same
+work), then one run per plane with a replica SIGKILLed in step 6's gradient sync: its stall is
+that step's time less the median step; results in overhead_planes.json.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree in a replica")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages in a replica")
     parser.add_argument("--planes", action="store_true",
                         help="stock vs ReCoVer on data_plane mpi vs torch, + the stall per death")
     parser.add_argument("--detector", action="store_true",
@@ -79,11 +84,15 @@ def main() -> None:
     results = {}
     for layout, g in [(lay, int(g)) for g in args.g.split(",") for lay in args.layouts.split(",")]:
         replicas, ranks = map(int, layout.split("x"))
-        batch = ("--training.global_batch_size", str(g * replicas * ranks // args.tp * LOCAL_BATCH))
+        batch = ("--training.global_batch_size",
+                 str(g * replicas * ranks // (args.tp * args.pp) * LOCAL_BATCH))
         if args.tp > 1:
             batch += ("--parallelism.tensor_parallel_degree", str(args.tp))
+        if args.pp > 1:
+            batch += ("--parallelism.pipeline_parallel_degree", str(args.pp))
         pairs = []
-        layout = f"{layout} TP={args.tp} G={g}" if args.tp > 1 else f"{layout} G={g}"
+        inner = "".join(f" {k}={v}" for k, v in (("PP", args.pp), ("TP", args.tp)) if v > 1)
+        layout = f"{layout}{inner} G={g}"
         for _ in range(args.pairs):
             recover, recover_tps = run(replicas, ranks, False, args.steps, batch)
             stock, stock_tps = run(replicas, ranks, True, args.steps, batch)
@@ -108,7 +117,7 @@ def main() -> None:
               f"tokens/s {r['median_recover_tokens_per_s']:.0f} vs "
               f"{r['median_stock_tokens_per_s']:.0f} (ratio {r['median_tokens_per_s_ratio']:.3f})",
               flush=True)
-    name = "overhead_tp" if args.tp > 1 else "overhead"
+    name = "overhead_pp" if args.pp > 1 else "overhead_tp" if args.tp > 1 else "overhead"
     out = _save(f"{name}.json", results, args)
     _plot(results, out / f"{name}.png")
     print(markdown(results))

@@ -27,7 +27,10 @@ walks these phases in this order (``recover_hsdp.phases.Phase``, a profile shows
   1. plan: the policy maps (step, alive replicas) to this replica's role and microbatch ids;
      it is computed identically everywhere from the agreed membership, so it needs no messages;
   2. compute: forward/backward of each id, FSDP gradient sync on the last one only
-     (``StepWork.set_gradient_sync``); a replica-local error fails the epoch;
+     (``StepWork.set_gradient_sync``; a replica of pipeline stages runs each id as one step of
+     its schedule with the stages' sync held: [Note: pipeline stages in a replica] in
+     titan/pipeline.py says what the schedule owns and what the step owns); a replica-local
+     error fails the epoch;
   3. grad_sync: during the last backward the all-reduce hook of every FSDP unit snapshots its
      bucket and sums it across replicas under the current epoch (on the torch data plane the
      sums are enqueued and waited for here: [Note: overlapped bucket sums]); in an audit step

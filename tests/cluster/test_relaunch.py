@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import DEBUG_CONFIG, REPO, read_jsonl, run_cli
+from conftest import DEBUG_CONFIG, PIPELINE_CONFIG, REPO, read_jsonl, run_cli
 from netns_cluster import NetnsCluster, skip_unless_available
 from recover_hsdp.workload.ledger import ledger_records
 from test_node_loss import _finish, _names, _wait_for_step
@@ -245,13 +245,16 @@ def test_node_killed_is_relaunched_from_host_memory(tmp_path, failure_free_3x1):
 
 
 @pytest.mark.slow  # ~90 s: the 3 x 1 cut link above is the default suite's memory relaunch
-def test_replica_of_two_ranks_per_node_relaunched_from_host_memory(tmp_path, local_corpus):
-    """Real process, checkpoint.enable = false, no standby: 3 replicas x 2 ranks, one replica
-    per node; node 2's link cut after step 3: relaunched onto the 2 replicas that fit from
-    the emergency generation (each survivor's 2 shard positions from its own host), no step
-    redone, B = 3 every step (a major of 2 and a minor of 1 from the relaunch on), the
-    failure-free loss, nothing left in /dev/shm."""
-    ref = run_cli(["train", "--config", str(DEBUG_CONFIG), "--replicas", str(REPLICAS),
+@pytest.mark.parametrize("config", [DEBUG_CONFIG,
+                                    pytest.param(PIPELINE_CONFIG, marks=pytest.mark.soak)],
+                         ids=["fsdp", "pipeline"])
+def test_replica_of_two_ranks_per_node_relaunched_from_host_memory(tmp_path, local_corpus, config):
+    """Real process, checkpoint.enable = false, no standby: 3 replicas x 2 ranks (FSDP 2, or a
+    pipeline of 2 stages), one replica per node; node 2's link cut after step 3: relaunched
+    onto the 2 replicas that fit from the emergency generation (each survivor's 2 shard
+    positions from its own host), no step redone, B = 3 every step (a major of 2 and a minor
+    of 1 from the relaunch on), the failure-free loss, nothing left in /dev/shm."""
+    ref = run_cli(["train", "--config", str(config), "--replicas", str(REPLICAS),
                    "--ranks-per-replica", "2", "--out", str(tmp_path / "ref"), "--", *MEMORY],
                   timeout=300)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
@@ -261,7 +264,7 @@ def test_replica_of_two_ranks_per_node_relaunched_from_host_memory(tmp_path, loc
         out = tmp_path / "run"
         mpi = [*cluster.mpirun_args(), "--map-by", "ppr:2:node"]
         argv = [sys.executable, "-m", "recover_hsdp.cli.launch", "train", "--config",
-                str(DEBUG_CONFIG), "--replicas", str(REPLICAS), "--ranks-per-replica", "2",
+                str(config), "--replicas", str(REPLICAS), "--ranks-per-replica", "2",
                 "--out", str(out), "--end-grace", "10", *[f"--mpi-arg={a}" for a in mpi], "--",
                 *MEMORY]
         with open(tmp_path / "run.log", "w") as log:
