@@ -1,7 +1,7 @@
 """A replica that is a pipeline ([Note: pipeline stages in a replica] in titan/pipeline.py).
 
-- Equivalence: 2 replicas x (PP 2) and 2 x (PP 2 x TP 2) against stock TorchTitan HSDP + PP
-  with the same config (G = 2, so the held sync carries a microbatch's gradient to the next):
+- Equivalence: 2 replicas x (PP 2) (1F1B, Interleaved1F1B, GPipe) and 2 x (PP 2 x TP 2)
+  against stock TorchTitan HSDP + PP with the same config (G = 2, so the held sync carries a microbatch's gradient to the next):
   per-step loss within 1e-4, final parameters allclose. The optimizer is made indifferent to
   the gradient's scale on both sides (no clipping, Adam's eps 1e-30): TorchTitan 0.2.2 under PP
   backpropagates the token sum (it divides the logged loss only), a gradient the step's tokens
@@ -47,12 +47,17 @@ def _train(out, replicas, ranks, *, stock=False, faults=(), extra=(), timeout=40
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.soak)])  # 8 ranks: soak
-def test_pipeline_replicas_match_stock_hsdp_pp(tmp_path, local_corpus, tp):
-    """Real process: TorchTitan's pipeline split and 1F1B schedule in replicas against stock
-    HSDP + PP under torchrun."""
+@pytest.mark.parametrize("tp,schedule", [
+    (1, "1F1B"),
+    (1, "Interleaved1F1B"),                             # two stages per rank: 4 in all
+    pytest.param(1, "GPipe", marks=pytest.mark.soak),   # the same sums as 1F1B
+    pytest.param(2, "1F1B", marks=pytest.mark.soak)])   # 8 ranks
+def test_pipeline_replicas_match_stock_hsdp_pp(tmp_path, local_corpus, tp, schedule):
+    """Real process: TorchTitan's pipeline split and schedule in replicas against stock HSDP +
+    PP under torchrun."""
     ranks = 2 * tp
     extra = (*SCALE_FREE, "--parallelism.tensor_parallel_degree", str(tp),
+             "--parallelism.pipeline_parallel_schedule", schedule,
              "--recover.debug.save_final_params",
              "--training.global_batch_size", str(G * 2 * LBS))
     mpi = _train(tmp_path / "mpi", 2, ranks, extra=extra)
