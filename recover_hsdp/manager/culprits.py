@@ -9,7 +9,9 @@ both are the same on every rank (the reduced sums are identical everywhere), so 
 takes the bad path together. Only then does each rank look at its own contribution (a pass over
 its snapshots and extras, ``BucketSync.nonfinite_buckets``, and its microbatches' losses) and
 the world agrees on the culprits in one more small all-reduce (per initial replica: its ranks'
-non-finite buckets and losses). Then, like a dead replica's, the culprits' committed ids become
+non-finite buckets, by index, and losses; a row is ``BUCKET_SLOTS`` + 1 wide on every rank, as
+ranks of different pipeline stages have different FSDP units: [Note: pipeline stages in a
+replica] in titan/pipeline.py). Then, like a dead replica's, the culprits' committed ids become
 extras of the others (``WorkloadPolicy.exclude``: promotion, water-filling), the culprits
 contribute zero, every bucket is restored from its snapshot and reduced again (they all hold the
 poisoned sum), and the step commits exactly B; exact mode commits the failure-free ids, so the
@@ -35,6 +37,10 @@ from recover_hsdp.config import BadReplicas
 from recover_hsdp.outputs import RunMetrics
 from recover_hsdp.phases import Phase
 from recover_hsdp.workload import StepPlan
+
+BUCKET_SLOTS = 64
+"""Columns of a replica's row in the culprits' agreement: bucket index b counts in column
+min(b, BUCKET_SLOTS - 1) (a rank's own index: each pipeline stage numbers its own units)."""
 
 
 class Offences:
@@ -108,11 +114,11 @@ class Culprits:
         reduce failed (the consensus repairs first, then the step is checked again). A rank of
         a culprit that reached its offence limit calls ``leave(step, reason)`` (never returns);
         a culprit's extras are dropped from its buckets."""
-        width = len(self.bucket_sync.units) + 1  # the buckets, then the loss
+        width = BUCKET_SLOTS + 1  # the buckets, then the loss: the same width on every rank
         mine = plan.assignment(self.world.replica)
         flags = np.zeros((self.initial_replicas, width), np.float64)
         for index in self.bucket_sync.nonfinite_buckets():
-            flags[self.world.replica, index] += 1
+            flags[self.world.replica, min(index, BUCKET_SLOTS - 1)] += 1
         losses = [stats[i][0] for i in mine.committed_ids if i in stats]
         flags[self.world.replica, -1] = float(not all(math.isfinite(x) for x in losses))
         values = flags.reshape(-1)

@@ -1,14 +1,16 @@
 """A replica that is a pipeline ([Note: pipeline stages in a replica] in titan/pipeline.py).
 
 - Equivalence: 2 replicas x (PP 2) (1F1B, Interleaved1F1B, GPipe) and 2 x (PP 2 x TP 2)
-  against stock TorchTitan HSDP + PP with the same config (G = 2, so the held sync carries a microbatch's gradient to the next):
-  per-step loss within 1e-4, final parameters allclose. The optimizer is made indifferent to
-  the gradient's scale on both sides (no clipping, Adam's eps 1e-30): TorchTitan 0.2.2 under PP
-  backpropagates the token sum (it divides the logged loss only), a gradient the step's tokens
-  times larger than the one without stages, which ReCoVer keeps; clipping at max_norm = 1 cuts
-  the one and not the other, and eps = 1e-8 weighs on an embedding row's tiny gradient at one
-  scale and not at the other (measured with both: losses within 4e-4, embedding rows 1.6e-3
-  apart). The gradient itself is checked against the one-process oracle by the kill test.
+  against stock TorchTitan HSDP + PP with the same config (G = 2, so the held sync carries a
+  microbatch's gradient to the next): per-step loss within 1e-4, final parameters allclose.
+  The optimizer is made indifferent to the gradient's scale on both sides (no clipping, Adam's
+  eps 1e-30): TorchTitan 0.2.2 under PP backpropagates the token sum (it divides the logged
+  loss only), a gradient the step's tokens times larger than the one without stages, which
+  ReCoVer keeps; clipping at max_norm = 1 cuts the one and not the other, and eps = 1e-8 weighs
+  on an embedding row's tiny gradient at one scale and not at the other (measured with both:
+  losses within 4e-4, embedding rows 1.6e-3 apart). The gradient itself is checked against
+  the one-process oracle by the kill test.
+- NaN: a first-stage bucket poisoned: its replica is the agreed culprit for that step (slow).
 - Real kill: 3 replicas x PP 2, the stage-1 rank of replica 1 SIGKILLed in the gradient sync
   after 2 buckets: its stage-0 peer leaves with it, B measured every step, and the gradient
   committed in the failure step equals the one recomputed on one process from the ledger's
@@ -192,3 +194,22 @@ def test_the_papers_3d_config_is_refused_where_it_cannot_fit(tmp_path, stock):
     assert "pipeline_parallel_degree=2 x tensor_parallel_degree=4" in lines[0]
     assert "this host's RAM has" in lines[0]
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_nan_in_a_first_stage_bucket_excludes_its_replica_for_the_step(tmp_path, local_corpus):
+    """Real process: replica 1's stage-0 rank's bucket NaN before its reduce at step 3 (its
+    stage-1 rank is finite): replica 1 is the agreed culprit, the others compute its
+    microbatches, B every step, nobody dies, the loss equals the failure-free run's."""
+    common = ("--training.global_batch_size", str(G * 3 * LBS), "--recover.timeouts.hang_s", "20")
+    out = _train(tmp_path / "nan", 3, 2, faults=["replica=1,step=3,phase=grad_sync,mode=nan,rank=0"],
+                 extra=common, steps=4)
+    reference = read_jsonl(_train(tmp_path / "ref", 3, 2, extra=common, steps=4)
+                           / "metrics.jsonl")
+    steps = read_jsonl(out / "metrics.jsonl")
+    assert [(s["step"], s["alive_replicas"], s["reduced_microbatches"]) for s in steps] == [
+        (step, 3, G * 3) for step in range(1, 5)]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(steps, reference)) <= 1e-5
+    (event,) = [e for e in read_jsonl(out / "events.jsonl") if e.get("phase") == "nonfinite"]
+    assert event["step"] == 3 and list(event["culprits"]) == ["1"]
+    assert event["culprits"]["1"]["action"] == "excluded"

@@ -92,6 +92,22 @@ def test_nan_in_one_rank_of_a_2x2_replica(tmp_path):
     assert event["culprits"]["0"]["buckets"] == [2]
 
 
+def test_nan_where_the_replicas_ranks_have_different_units(tmp_path):
+    """Pipeline stages: shard 0 has 2 FSDP units, shard 1 has 3 ([Note: pipeline stages in a
+    replica]). The agreement's rows are one width on every rank (rows as wide as a rank's own
+    units made ranks of different stages call one all-reduce with different lengths: MPI
+    truncated it and the step hung, found on a real 3 x (PP 2) job)."""
+    hub, results = run_job(tmp_path, replicas=2, g=2, steps=3, shards=2, work_class=NormWork,
+                           units_of_shard=lambda shard: 2 + shard,
+                           faults=["replica=1,step=2,phase=grad_sync,mode=nan,rank=0"])
+    works = values_of(results)
+    assert not [w for w in works.values() if isinstance(w, BaseException)], works
+    assert hub.epoch == 0 and _all_finite(works)
+    assert all(len(w.applied) == 3 for w in works.values())
+    (event,) = _nonfinite_events(tmp_path)
+    assert event["step"] == 2 and list(event["culprits"]) == ["1"]
+
+
 def test_inf_loss_is_caught_from_the_totals(tmp_path):
     """``mode=inf_loss``: the loss in the step's totals is not finite (free on the good path):
     the culprit is found by its own losses, excluded, and the committed loss is finite."""

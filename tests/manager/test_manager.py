@@ -124,18 +124,21 @@ class StandInWork:
 
 def run_job(tmp_path, replicas, g, steps, faults=(), shards=1, mode="exact", keep_spares=True,
             errors=None, update_errors=None, transient=None, work_class=None, policy_kwargs=None,
-            manager_kwargs=None, after_step=None, schedule=()):
+            manager_kwargs=None, after_step=None, schedule=(), units_of_shard=None):
     """Run ``steps`` steps on every rank; returns (hub, {(r, s): StandInWork or exception}).
     ``work_class`` (default ``StandInWork``), ``policy_kwargs`` and ``manager_kwargs`` (a dict,
     or a function of the rank's work returning one) extend the rank's parts
     (tests/manager/test_culprits.py); ``after_step(manager, work, step)`` runs between steps,
     where the trainer saves checkpoints (tests/manager/test_checkpoint_agreement.py);
-    ``schedule``: ``ScheduledFault``s of ``[recover.faults] every`` (recover_hsdp/faults.py)."""
+    ``schedule``: ``ScheduledFault``s of ``[recover.faults] every`` (recover_hsdp/faults.py);
+    ``units_of_shard(shard)``: FSDP units of a shard position (default ``UNITS``; pipeline
+    stages have different ones)."""
     hub = FakeHub(replicas, shards)
     errors, update_errors, transient = errors or {}, update_errors or {}, transient or {}
 
     def rank(world):
-        units = [FakeUnit(f"u{i}") for i in range(UNITS)]
+        count = units_of_shard(world.shard) if units_of_shard else UNITS
+        units = [FakeUnit(f"u{i}") for i in range(count)]
         sync = BucketSync(units, world)
         policy = WorkloadPolicy(initial_replicas=replicas, microbatches_per_replica=g,
                                 keep_spares=keep_spares, data_assignment=mode,
