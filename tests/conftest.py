@@ -24,6 +24,45 @@ def run_cli(args: list[str], timeout: float = 240, env: dict | None = None,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def train_job(out: Path, config: Path, replicas: int, ranks: int, steps: int, *,
+              stock: bool = False, faults=(), extra=(), timeout: float = 400) -> Path:
+    """``recover-hsdp train`` of ``config`` into ``out`` (``--stock``: TorchTitan's own
+    trainer), asserted to exit 0; its stdout kept as ``out/stdout.log``. Returns ``out``."""
+    args = ["train", "--config", str(config), "--replicas", str(replicas),
+            "--ranks-per-replica", str(ranks), "--out", str(out), *(["--stock"] if stock else [])]
+    for fault in faults:
+        args += ["--fault", fault]
+    result = run_cli(args + ["--", "--training.steps", str(steps), *extra], timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    (out / "stdout.log").write_text(result.stdout)
+    return out
+
+
+def assert_matches_stock(mpi: Path, stock: Path, steps: int, *, reduced: int, g: int,
+                         tokens: int) -> dict:
+    """A ReCoVer run's folder ``mpi`` against its stock twin's ``stock`` (same config, data,
+    seed): every step, per-step loss within 1e-4, it trained, ``reduced`` microbatches measured
+    with ``g`` per replica, ``tokens`` per step on both, final parameters allclose. Returns the
+    ReCoVer run's final parameters."""
+    import torch
+
+    mpi_steps, stock_steps = read_jsonl(mpi / "metrics.jsonl"), read_jsonl(stock / "metrics.jsonl")
+    assert [s["step"] for s in mpi_steps] == list(range(1, steps + 1)) \
+        == [s["step"] for s in stock_steps]
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(mpi_steps, stock_steps)]
+    assert max(diffs) <= 1e-4, diffs
+    assert abs(mpi_steps[0]["loss"] - mpi_steps[-1]["loss"]) > 1e-3  # it trained
+    for a, b in zip(mpi_steps, stock_steps):
+        assert a["reduced_microbatches"] == reduced and a["g"] == g, a
+        assert a["tokens"] == b["tokens"] == tokens, (a, b)
+    mpi_params, stock_params = (torch.load(d / "final_params.pt") for d in (mpi, stock))
+    assert mpi_params.keys() == stock_params.keys()
+    for name in mpi_params:
+        torch.testing.assert_close(mpi_params[name], stock_params[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    return mpi_params
+
+
 def no_step_waited_for_a_deadline(steps: list[dict], hang_timeout_s: float = 20.0) -> None:
     """"It did not hang", free of the machine's speed: no committed step reached the MPI call
     deadline of the run's ``hang_timeout_s`` (2H + 30 s, [Note: the timer table] in

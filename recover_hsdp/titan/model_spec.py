@@ -100,20 +100,18 @@ class _WithoutDataParallel:
 def check_model_parallelism(job_config) -> None:
     """One-line refusal of a model/parallelism pair that cannot work (launcher and ranks)."""
     args = RECOVER_LLAMA3_FLAVORS.get(job_config.model.flavor)
-    tp = job_config.parallelism.tensor_parallel_degree
-    pp = job_config.parallelism.pipeline_parallel_degree
-    if pp > 1 and getattr(args, "tie_word_embeddings", False):
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_degree={pp} with model.flavor="
-            f"{job_config.model.flavor!r}: its output projection is tied to the token embedding, "
-            "and the pipeline puts the two in different stages; use pipeline_parallel_degree = 1 "
-            "for this flavor, or an untied one")
-    if tp > 1 and getattr(args, "tie_word_embeddings", False):
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree={tp} with model.flavor="
-            f"{job_config.model.flavor!r}: its output projection is tied to the token embedding, "
-            "and TorchTitan's TP plan shards the two as separate parameters (the tie would be "
-            "lost); use tensor_parallel_degree = 1 for this flavor")
+    if not getattr(args, "tie_word_embeddings", False):
+        return
+    par = job_config.parallelism
+    for name, why in (
+            ("pipeline_parallel_degree", "the pipeline puts the two in different stages"),
+            ("tensor_parallel_degree", "TorchTitan's TP plan shards the two as separate "
+                                       "parameters (the tie would be lost)")):
+        if getattr(par, name) > 1:
+            raise ConfigError(
+                f"parallelism.{name}={getattr(par, name)} with model.flavor="
+                f"{job_config.model.flavor!r}: its output projection is tied to the token "
+                f"embedding, and {why}; use {name} = 1 for this flavor, or an untied one")
 
 
 def parallelize_always_fsdp(model, parallel_dims, job_config):

@@ -25,7 +25,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import PIPELINE_CONFIG, REPO, read_jsonl, run_cli
+from conftest import (PIPELINE_CONFIG, REPO, assert_matches_stock, read_jsonl, run_cli,
+                      train_job)
 from oracle import committed_refs, recompute_gradient
 from recover_hsdp.collectives.processes import read_registry
 from recover_hsdp.workload.ledger import read_ledger
@@ -34,18 +35,8 @@ G, LBS, STEPS = 2, 2, 5
 SCALE_FREE = ("--training.max_norm", "1e9", "--optimizer.eps", "1e-30")
 
 
-def _train(out, replicas, ranks, *, stock=False, faults=(), extra=(), timeout=400,
-           steps=STEPS):
-    args = ["train", "--config", str(PIPELINE_CONFIG), "--replicas", str(replicas),
-            "--ranks-per-replica", str(ranks), "--out", str(out)]
-    if stock:
-        args.append("--stock")
-    for fault in faults:
-        args += ["--fault", fault]
-    result = run_cli(args + ["--", "--training.steps", str(steps), *extra], timeout=timeout)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
-    (out / "stdout.log").write_text(result.stdout)
-    return out
+def _train(out, replicas, ranks, *, steps=STEPS, **kwargs):
+    return train_job(out, PIPELINE_CONFIG, replicas, ranks, steps, **kwargs)
 
 
 @pytest.mark.slow
@@ -64,22 +55,10 @@ def test_pipeline_replicas_match_stock_hsdp_pp(tmp_path, local_corpus, tp, sched
              "--training.global_batch_size", str(G * 2 * LBS))
     mpi = _train(tmp_path / "mpi", 2, ranks, extra=extra)
     stock = _train(tmp_path / "stock", 2, ranks, stock=True, extra=extra)
-    mpi_steps, stock_steps = read_jsonl(mpi / "metrics.jsonl"), read_jsonl(stock / "metrics.jsonl")
-    assert [s["step"] for s in mpi_steps] == list(range(1, STEPS + 1)) \
-        == [s["step"] for s in stock_steps]
-    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(mpi_steps, stock_steps)]
-    assert max(diffs) <= 1e-4, diffs
-    assert abs(mpi_steps[0]["loss"] - mpi_steps[-1]["loss"]) > 1e-3  # it trained
-    for a, b in zip(mpi_steps, stock_steps):
-        assert a["reduced_microbatches"] == G * 2 and a["g"] == G    # measured, every stage
-        assert a["tokens"] == b["tokens"] == G * 2 * LBS * 128       # counted once per stage
-    mpi_params, stock_params = (torch.load(d / "final_params.pt") for d in (mpi, stock))
-    assert mpi_params.keys() == stock_params.keys()
-    assert any(name.startswith("tok_embeddings") for name in mpi_params)  # both stages in it
-    assert any(name.startswith("output") for name in mpi_params)
-    for name in mpi_params:
-        torch.testing.assert_close(mpi_params[name], stock_params[name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    params = assert_matches_stock(mpi, stock, STEPS, reduced=G * 2, g=G,  # measured, every stage
+                                  tokens=G * 2 * LBS * 128)               # counted once per stage
+    assert any(name.startswith("tok_embeddings") for name in params)     # both stages in it
+    assert any(name.startswith("output") for name in params)
 
 
 def test_stage_rank_killed_mid_sync_replica_leaves_as_a_unit(tmp_path, local_corpus):

@@ -14,7 +14,7 @@
 import pytest
 import torch
 
-from conftest import DEBUG_CONFIG, read_jsonl, run_cli
+from conftest import DEBUG_CONFIG, assert_matches_stock, read_jsonl, train_job
 from oracle import committed_refs, recompute_gradient
 from recover_hsdp.collectives.processes import read_registry
 from recover_hsdp.workload.ledger import read_ledger
@@ -23,17 +23,8 @@ G, LBS, STEPS = 2, 2, 5
 TP = ("--parallelism.tensor_parallel_degree", "2")
 
 
-def _train(out, replicas, ranks, *, stock=False, faults=(), extra=(), timeout=400):
-    args = ["train", "--config", str(DEBUG_CONFIG), "--replicas", str(replicas),
-            "--ranks-per-replica", str(ranks), "--out", str(out)]
-    if stock:
-        args.append("--stock")
-    for fault in faults:
-        args += ["--fault", fault]
-    result = run_cli(args + ["--", "--training.steps", str(STEPS), *extra], timeout=timeout)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
-    (out / "stdout.log").write_text(result.stdout)
-    return out
+def _train(out, replicas, ranks, **kwargs):
+    return train_job(out, DEBUG_CONFIG, replicas, ranks, STEPS, **kwargs)
 
 
 @pytest.mark.slow  # default suite time: the TP kill test below runs TP every commit
@@ -45,20 +36,8 @@ def test_fsdp_x_tp_replicas_match_stock_hsdp_tp(tmp_path, local_corpus, fsdp):
              "--training.global_batch_size", str(G * 2 * fsdp * LBS))
     mpi = _train(tmp_path / "mpi", 2, ranks, extra=extra)
     stock = _train(tmp_path / "stock", 2, ranks, stock=True, extra=extra)
-    mpi_steps, stock_steps = read_jsonl(mpi / "metrics.jsonl"), read_jsonl(stock / "metrics.jsonl")
-    assert [s["step"] for s in mpi_steps] == list(range(1, STEPS + 1)) \
-        == [s["step"] for s in stock_steps]
-    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(mpi_steps, stock_steps)]
-    assert max(diffs) <= 1e-4, diffs
-    assert abs(mpi_steps[0]["loss"] - mpi_steps[-1]["loss"]) > 1e-3  # it trained
-    for a, b in zip(mpi_steps, stock_steps):
-        assert a["reduced_microbatches"] == G * 2 and a["g"] == G
-        assert a["tokens"] == b["tokens"] == G * 2 * fsdp * LBS * 128  # counted once per FSDP rank
-    mpi_params, stock_params = (torch.load(d / "final_params.pt") for d in (mpi, stock))
-    assert mpi_params.keys() == stock_params.keys()
-    for name in mpi_params:
-        torch.testing.assert_close(mpi_params[name], stock_params[name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert_matches_stock(mpi, stock, STEPS, reduced=G * 2, g=G,
+                         tokens=G * 2 * fsdp * LBS * 128)  # counted once per FSDP rank
 
 
 # default suite time: without the failure-free twin run (the gradient oracle checks the
