@@ -28,7 +28,10 @@ Interleaved1F1B: ``config.checks.PIPELINE_SCHEDULES``), exactly as stock TorchTi
   schedule TorchTitan built. The cost: the pipeline bubble once per microbatch instead of once
   per step (at G microbatches of k pieces, (P - 1) / (k + P - 1) of a microbatch's time, not
   (P - 1) / (G k + P - 1)); on a GPU, choose ``local_batch_size /
-  pipeline_parallel_microbatch_size`` >= 2 P.
+  pipeline_parallel_microbatch_size`` >= 2 P. And memory: the schedule's backward leaves a
+  stage's parameters unsharded (``set_reshard_after_backward(False)``) until the held sync
+  runs, so with FSDP degree > 1 they stay unsharded across the step's microbatches, beside the
+  unsharded fp32 gradients FSDP accumulates without stages too.
 * The loss: the schedule computes it on the last stage per piece with the TrainSpec's loss,
   :class:`MicrobatchLoss` (TorchTitan's cross-entropy, a token sum), which the step scales per
   microbatch by 1 / its nominal tokens (what the path without stages divides by) and the
