@@ -1,15 +1,15 @@
 """A replica that is a pipeline ([Note: pipeline stages in a replica] in titan/pipeline.py).
 
-- Equivalence: 2 replicas x (PP 2) (1F1B, Interleaved1F1B, GPipe) and 2 x (PP 2 x TP 2)
-  against stock TorchTitan HSDP + PP with the same config (G = 2, so the held sync carries a
-  microbatch's gradient to the next): per-step loss within 1e-4, final parameters allclose.
-  The optimizer is made indifferent to the gradient's scale on both sides (no clipping, Adam's
-  eps 1e-30): TorchTitan 0.2.2 under PP backpropagates the token sum (it divides the logged
-  loss only), a gradient the step's tokens times larger than the one without stages, which
-  ReCoVer keeps; clipping at max_norm = 1 cuts the one and not the other, and eps = 1e-8 weighs
-  on an embedding row's tiny gradient at one scale and not at the other (measured with both:
-  losses within 4e-4, embedding rows 1.6e-3 apart). The gradient itself is checked against
-  the one-process oracle by the kill test.
+- Equivalence: 2 replicas x (PP 2) (1F1B, Interleaved1F1B, GPipe), 2 x (PP 2 x TP 2) and
+  2 x (PP 2 x FSDP 2) against stock TorchTitan HSDP + PP with the same config (G = 2, so the
+  held sync carries a microbatch's gradient to the next): per-step loss within 1e-4, final
+  parameters allclose. The optimizer is made indifferent to the gradient's scale on both sides
+  (no clipping, Adam's eps 1e-30): TorchTitan 0.2.2 under PP backpropagates the token sum (it
+  divides the logged loss only), a gradient the step's tokens times larger than the one without
+  stages, which ReCoVer keeps; clipping at max_norm = 1 cuts the one and not the other, and
+  eps = 1e-8 weighs on an embedding row's tiny gradient at one scale and not at the other
+  (measured with both: losses within 4e-4, embedding rows 1.6e-3 apart). The gradient itself
+  is checked against the one-process oracle by the kill test.
 - NaN: a first-stage bucket poisoned: its replica is the agreed culprit for that step (slow).
 - Real kill: 3 replicas x PP 2, the stage-1 rank of replica 1 SIGKILLed in the gradient sync
   after 2 buckets: its stage-0 peer leaves with it, B measured every step, and the gradient
@@ -40,23 +40,24 @@ def _train(out, replicas, ranks, *, steps=STEPS, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,schedule", [
-    (1, "1F1B"),
-    (1, "Interleaved1F1B"),                             # two stages per rank: 4 in all
-    pytest.param(1, "GPipe", marks=pytest.mark.soak),   # the same sums as 1F1B
-    pytest.param(2, "1F1B", marks=pytest.mark.soak)])   # 8 ranks
-def test_pipeline_replicas_match_stock_hsdp_pp(tmp_path, local_corpus, tp, schedule):
+@pytest.mark.parametrize("tp,fsdp,schedule", [
+    (1, 1, "1F1B"),
+    (1, 1, "Interleaved1F1B"),                             # two stages per rank: 4 in all
+    pytest.param(1, 1, "GPipe", marks=pytest.mark.soak),   # the same sums as 1F1B
+    pytest.param(2, 1, "1F1B", marks=pytest.mark.soak),    # 8 ranks
+    pytest.param(1, 2, "1F1B", marks=pytest.mark.soak)])   # 8 ranks, FSDP inside each stage
+def test_pipeline_replicas_match_stock_hsdp_pp(tmp_path, local_corpus, tp, fsdp, schedule):
     """Real process: TorchTitan's pipeline split and schedule in replicas against stock HSDP +
     PP under torchrun."""
-    ranks = 2 * tp
+    ranks = 2 * tp * fsdp
     extra = (*SCALE_FREE, "--parallelism.tensor_parallel_degree", str(tp),
              "--parallelism.pipeline_parallel_schedule", schedule,
              "--recover.debug.save_final_params",
-             "--training.global_batch_size", str(G * 2 * LBS))
+             "--training.global_batch_size", str(G * 2 * fsdp * LBS))
     mpi = _train(tmp_path / "mpi", 2, ranks, extra=extra)
     stock = _train(tmp_path / "stock", 2, ranks, stock=True, extra=extra)
     params = assert_matches_stock(mpi, stock, STEPS, reduced=G * 2, g=G,  # measured, every stage
-                                  tokens=G * 2 * LBS * 128)               # counted once per stage
+                                  tokens=G * 2 * fsdp * LBS * 128)  # once per FSDP rank and stage
     assert any(name.startswith("tok_embeddings") for name in params)     # both stages in it
     assert any(name.startswith("output") for name in params)
 
