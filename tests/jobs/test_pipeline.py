@@ -27,6 +27,7 @@ import torch
 
 from conftest import (PIPELINE_CONFIG, REPO, assert_matches_stock, read_jsonl, run_cli,
                       train_job)
+from c4_local import make_local_c4
 from oracle import committed_refs, recompute_gradient
 from recover_hsdp.collectives.processes import read_registry
 from recover_hsdp.workload.ledger import read_ledger
@@ -45,12 +46,18 @@ def _train(out, replicas, ranks, *, steps=STEPS, **kwargs):
     (1, 1, "Interleaved1F1B"),                             # two stages per rank: 4 in all
     pytest.param(1, 1, "GPipe", marks=pytest.mark.soak),   # the same sums as 1F1B
     pytest.param(2, 1, "1F1B", marks=pytest.mark.soak),    # 8 ranks
-    pytest.param(1, 2, "1F1B", marks=pytest.mark.soak)])   # 8 ranks, FSDP inside each stage
+    pytest.param(1, 2, "1F1B", marks=pytest.mark.soak),    # 8 ranks, FSDP inside each stage
+    pytest.param(1, 1, "stream", marks=pytest.mark.soak)])  # 1F1B over C4 streams
 def test_pipeline_replicas_match_stock_hsdp_pp(tmp_path, local_corpus, tp, fsdp, schedule):
     """Real process: TorchTitan's pipeline split and schedule in replicas against stock HSDP +
-    PP under torchrun."""
+    PP under torchrun (``stream``: 1F1B, both reading a local C4 copy as streams)."""
     ranks = 2 * tp * fsdp
-    extra = (*SCALE_FREE, "--parallelism.tensor_parallel_degree", str(tp),
+    data = ()
+    if schedule == "stream":
+        schedule, data = "1F1B", ("--training.dataset", "c4", "--training.dataset_path",
+                                  str(make_local_c4(tmp_path / "c4")),
+                                  "--recover.workload.data_assignment", "stream")
+    extra = (*SCALE_FREE, *data, "--parallelism.tensor_parallel_degree", str(tp),
              "--parallelism.pipeline_parallel_schedule", schedule,
              "--recover.debug.save_final_params",
              "--training.global_batch_size", str(G * 2 * fsdp * LBS))
