@@ -152,7 +152,8 @@ def build_job(args: argparse.Namespace) -> tuple[list[str], Path, object]:
                           ranks_per_replica, job.parallelism.tensor_parallel_degree,
                           job.parallelism.pipeline_parallel_degree))
     validate(job, world_size=ranks)
-    check_pipeline(job)  # the stock twin too
+    if args.stock:  # validate checks a ReCoVer job's pipeline; the stock twin gets the same
+        check_pipeline(job)
     from recover_hsdp.titan.model_spec import check_model_parallelism
 
     check_model_parallelism(job)

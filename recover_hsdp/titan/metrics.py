@@ -43,9 +43,8 @@ class RecoverMetricsProcessor(MetricsProcessor):
             # the manager re-elects after failures; a replacement rank never starts as writer
             writer = current_placement().world_rank == 0 and NEWCOMER_ENV not in os.environ
         else:  # TorchTitan's loss is real on the last pipeline stage only: its first rank
-            last_stage = dist.get_world_size() - dist.get_world_size() // parallel_dims.pp \
-                if dist.is_initialized() else 0
-            writer = not dist.is_initialized() or dist.get_rank() == last_stage
+            writer = not dist.is_initialized() or dist.get_rank() == \
+                dist.get_world_size() // parallel_dims.pp * (parallel_dims.pp - 1)
         self.outputs = RunMetrics(job_config.job.dump_folder, is_writer=writer,
                                   mode="recover" if self.recover else "stock")
         self._last_log = time.perf_counter()
