@@ -54,6 +54,21 @@ TAGGED = re.compile(r"^\[([\w.-]+):\d+\] \[\[\d+,\d+\],(\d+)\]", re.M)
 CLOSED = "Process group destroyed"  # TorchTitan's close, after the last step
 ENDING = "ending mpirun"  # the launcher ends an attempt to relaunch it
 SUMMARY = re.compile(r"^recover-hsdp: \d+ steps, final loss", re.M)
+# [Note: a steady timeout learned from beat gaps]: each rank whose steady bound widened says so
+LEARNED = re.compile(r"(Open MPI's detector|the replica heartbeat): beats came up to ([0-9.]+) s "
+                     r"apart, so a silence was allowed up to ([0-9.]+) s")
+
+
+def learned_bounds(text: str) -> dict:
+    """The widest steady bound each signal learned (the detection time it cost) and the
+    largest gap behind it, over the run's ranks."""
+    found = {}
+    for signal, gap, bound in LEARNED.findall(text):
+        key = "detector" if signal.startswith("Open") else "heartbeat"
+        found[f"{key}_widest_bound_s"] = max(found.get(f"{key}_widest_bound_s", 0.0), float(bound))
+        found[f"{key}_largest_gap_s"] = max(found.get(f"{key}_largest_gap_s", 0.0), float(gap))
+        found[f"{key}_ranks_widened"] = found.get(f"{key}_ranks_widened", 0) + 1
+    return found
 
 
 def false_deaths(text: str, hosts: list[list[str]], cut: bool, round_robin: bool = False) -> dict:
@@ -147,6 +162,7 @@ def one_run(index: int, setting: str, steps: int, hog: int, root: Path, cut_step
             "first_step_at_s": round(first - started, 1) if first else None,
             "largest_send_gap_s": max(gaps, default=0.0),
             **{name: text.count(mark) for name, mark in COUNTS.items()},
+            **learned_bounds(text),
             **false_deaths(text, hosts, cut=bool(cut_at), round_robin=rank_by_node)}
 
 
@@ -176,7 +192,9 @@ def totals_of(rows: list[dict], settings: list[str]) -> dict:
             "runs_completed_every_step_once": sum(1 for r in mine if r["completed"]
                                                   and r["every_step_once"] and r["exit"] == 0),
             **{name: sum(r[name] for r in mine) for name in [*COUNTS, *FALSE]},
-            "largest_send_gap_s": max((r["largest_send_gap_s"] for r in mine), default=0.0)}
+            "largest_send_gap_s": max((r["largest_send_gap_s"] for r in mine), default=0.0),
+            **{key: max((r.get(key, 0.0) for r in mine), default=0.0)
+               for key in ("detector_widest_bound_s", "heartbeat_widest_bound_s")}}
     return totals
 
 

@@ -43,7 +43,7 @@ __all__ = ["DetectorTimeout", "Region", "find_detector", "launch_values", "libmp
 MPI_PROC_NULL = -2  # Open MPI's value
 # comm, fd_event, hb_observing, hb_observer, hb_lastpeek, hb_rstamp, hb_timeout, hb_period
 _LAYOUT = struct.Struct("<QQiidddd")
-_TIMEOUT_OFFSET = 40
+_OBSERVING_OFFSET, _RSTAMP_OFFSET, _TIMEOUT_OFFSET = 16, 32, 40
 TIMEOUT_ENV = "OMPI_MCA_mpi_ft_detector_timeout"
 PERIOD_ENV = "OMPI_MCA_mpi_ft_detector_period"
 DETECTOR_ENV = "OMPI_MCA_mpi_ft_detector"
@@ -96,11 +96,20 @@ def launch_values(environ=os.environ) -> tuple[float, float] | None:
 
 class DetectorTimeout:
     """The ``hb_timeout`` of this rank's ``comm_world_detector`` at ``address`` (found by
-    :func:`locate`); ``launch_s`` is what it held when found."""
+    :func:`locate`); ``launch_s`` is what it held when found. It also reads what the detector
+    thread writes: the rank observed (``hb_observing``) and when its last beat was received
+    (``hb_rstamp``, Open MPI's ``MPI_Wtime`` seconds; a time in the future is Open MPI's slack
+    after a (re-)link): [Note: a steady timeout learned from beat gaps] in groups/gap_bound.py."""
 
     def __init__(self, address: int, launch_s: float):
         self._value = ctypes.c_double.from_address(address + _TIMEOUT_OFFSET)
+        self._rstamp = ctypes.c_double.from_address(address + _RSTAMP_OFFSET)
+        self._observing = ctypes.c_int32.from_address(address + _OBSERVING_OFFSET)
         self.launch_s = launch_s
+
+    def last_beat(self) -> tuple[int, float]:
+        """(the rank observed, when its last beat was received)."""
+        return self._observing.value, self._rstamp.value
 
     @property
     def seconds(self) -> float:

@@ -45,13 +45,15 @@ ranks, ``benchmarks/false_detection_bench.py``, docs/failures.md "False deaths")
   every beat, and a peer is given ``slow_timeout_s`` (``recover.timeouts.slow_phase_s``) while
   its last beat said so or while this rank is slow itself; ``timeout_s`` otherwise.
 
-Why a phase and not a timeout learned from beat gaps (as [Note: a hang bound from progress]
-does for hangs): the gaps that cost deaths come in bursts that no steady-state history predicts
-(a start-up's imports and wire-up, a checkpoint's write), and the phase is known exactly where
-they happen; a learned bound would also have to be agreed by the observer and the observed. The
-cost: a frozen rank or a silent host in such a phase is found after ``slow_phase_s`` (plus Open
-MPI's start-up slack before the first step), not ``detect_s``; a dead process at once (its
-sockets close), in every phase.
+Why a phase first, and a timeout learned from beat gaps only in steady state: the gaps that
+cost deaths at start-up come in bursts that no history predicts (a start-up's imports and
+wire-up, a checkpoint's write), and the phase is known exactly where they happen. A host that
+stays loaded in steady state has no phase to mark but shows it in its gaps: there each
+observer widens its own bound ([Note: a steady timeout learned from beat gaps] in
+groups/gap_bound.py; nothing to agree: the timeout is the observer's). The cost: a frozen rank
+or a silent host in a slow phase is found after ``slow_phase_s`` (plus Open MPI's start-up
+slack before the first step), on a loaded host after the learned bound, else ``detect_s``; a
+dead process at once (its sockets close), in every phase.
 
 [Note: silence the host can explain] The replica's ranks usually share a host, and there
 silence is not the only evidence: ``/proc/<pid>/stat`` says whether the silent peer's process
@@ -81,6 +83,8 @@ import struct
 import threading
 import time
 from typing import Callable, Iterator
+
+from recover_hsdp.groups.gap_bound import GapBound
 
 _MAGIC = b"RHB1"
 _FORMAT = "!4s8sHB"  # magic, replica token, sender's shard, kind
@@ -128,6 +132,8 @@ class ReplicaHeartbeat:
         self.cpu_at_beat: dict[int, int] = {}  # the peer's CPU ticks when its last beat came
         self.working: set[int] = set()  # silent peers the host saw working: [Note: silence ...]
         self.explained = 0  # silences past timeout_s the host explained so far
+        # steady gaps between a peer's beats: [Note: a steady timeout learned from beat gaps]
+        self.gaps = GapBound(timeout_s, slow_timeout_s)
         self._last_check = now
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -152,10 +158,11 @@ class ReplicaHeartbeat:
         finally:
             self._slow_phases -= 1
 
-    def allowed_silence(self, peer: int) -> float:
+    def allowed_silence(self, peer: int, now: float | None = None) -> float:
         if self.slow or self.peer_slow[peer] or self._working(peer):
             return self.slow_timeout_s
-        return self.timeout_s
+        # [Note: a steady timeout learned from beat gaps] (groups/gap_bound.py)
+        return self.gaps.allowed(self.clock() if now is None else now)
 
     def _working(self, peer: int) -> bool:
         """[Note: silence the host can explain]: the peer's process on this host has used CPU
@@ -185,6 +192,9 @@ class ReplicaHeartbeat:
         if kind == _BYE:
             self.departed.add(shard)
         else:
+            if not (self.slow or self.peer_slow[shard] or kind == _BEAT_SLOW
+                    or shard in self.working):  # a steady gap the host did not explain
+                self.gaps.gap(now - self.last_seen[shard], now)
             self.peer_slow[shard] = kind == _BEAT_SLOW
             seen = self.witness(shard) if self.witness is not None else None
             if seen is not None:
@@ -201,7 +211,7 @@ class ReplicaHeartbeat:
         for peer, seen in sorted(self.last_seen.items()):
             silent = now - seen
             if peer not in self.departed and silent > self.timeout_s \
-                    and silent > self.allowed_silence(peer):
+                    and silent > self.allowed_silence(peer, now):
                 return peer, silent
         return None
 

@@ -5,14 +5,43 @@ slow and why; this object is the one place the trainer says where it is. The rep
 learns it through ``steady``/``slow_phase`` (its beats carry it to the peers); Open MPI's
 detector through its timeout ([Note: Open MPI's detector timeout by phase] in
 collectives/detector.py): ``slow_phase_s`` while this rank starts up or is in a slow phase,
-``detect_s`` once steady. Either signal may be absent (one rank per replica: no heartbeat;
-Open MPI's struct not found or no detector: the launch timeout stays).
+once steady ``detect_s`` or, on a host whose beats have come late, the bound learned from the
+gaps ([Note: a steady timeout learned from beat gaps] in groups/gap_bound.py; ``DetectorGaps``
+reads them off Open MPI's state). Either signal may be absent (one rank per replica: no
+heartbeat; Open MPI's struct not found or no detector: the launch timeout stays).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import threading
+import time
+from typing import Callable, Iterator
+
+from recover_hsdp.groups.gap_bound import GapBound
+
+
+class DetectorGaps:
+    """The gaps between the beats Open MPI's detector received from the rank this rank
+    observes, read off its state (``DetectorTimeout.last_beat``) every ``poll_s``, into
+    ``bound``. A gap counts only if this poller saw both of its beats no more than
+    ``period_s`` apart (a poller held longer may have missed a beat between them and would
+    see two gaps as one); a change of the rank observed (a ring re-link) starts over, and so
+    does a stamp that went back (Open MPI's slack after a re-link is a time in the future)."""
+
+    def __init__(self, detector, bound: GapBound, period_s: float):
+        self.detector, self.bound, self.period_s = detector, bound, period_s
+        self._last: tuple[int, float, float] | None = None  # observing, stamp, last seen at
+
+    def poll(self, now: float) -> None:
+        observing, stamp = self.detector.last_beat()
+        last, self._last = self._last, (observing, stamp, now)
+        if last is None or observing != last[0] or stamp <= last[1]:
+            if last is not None and (observing, stamp) == last[:2]:
+                self._last = last[:2] + (now,)  # the same beat, seen again now
+            return
+        if now - last[2] <= self.period_s:
+            self.bound.gap(stamp - last[1], now)
 
 
 class LivenessPhase:
@@ -23,12 +52,50 @@ class LivenessPhase:
     """
 
     def __init__(self, heartbeat=None, detector=None, *, detect_s: float = 0.0,
-                 slow_phase_s: float = 0.0):
+                 slow_phase_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
         self.heartbeat, self.detector = heartbeat, detector
         self.detect_s, self.slow_phase_s = detect_s, max(slow_phase_s, detect_s)
+        self.clock = clock
         self._starting, self._slow_phases = True, 0
         self._applied: float | None = None
+        self._lock = threading.Lock()
+        self.gaps: DetectorGaps | None = None
+        if detector is not None and detect_s > 0:
+            self.gaps = DetectorGaps(detector, GapBound(detect_s, self.slow_phase_s),
+                                     period_s=detect_s / 4)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._apply()
+
+    def start(self) -> "LivenessPhase":
+        """Poll Open MPI's beat gaps on a thread (``detect_s / 16``): [Note: a steady timeout
+        learned from beat gaps] in groups/gap_bound.py. Without a detector, nothing."""
+        if self.gaps is not None and self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="recover-hsdp-detector-gaps")
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.detect_s / 16):
+            self.poll()
+
+    def poll(self) -> None:
+        """One read of Open MPI's last beat, and the timeout it implies written."""
+        if self.gaps is not None:
+            self.gaps.poll(self.clock())
+            self._apply()
+
+    def close(self) -> list[str]:
+        """Stop polling; one line per liveness signal whose steady bound ever widened."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        lines = [self.gaps.bound.report("Open MPI's detector")] if self.gaps is not None else []
+        beat = getattr(self.heartbeat, "gaps", None)
+        if beat is not None:
+            lines.append(beat.report("the replica heartbeat"))
+        return [line for line in lines if line]
 
     @property
     def slow(self) -> bool:
@@ -58,10 +125,16 @@ class LivenessPhase:
     def _apply(self) -> None:
         if self.detector is None or self.detect_s <= 0:
             return
-        seconds = self.slow_phase_s if self.slow else self.detect_s
-        if seconds != self._applied:
-            self.detector.set(seconds)
-            self._applied = seconds
+        with self._lock:  # the main thread (phases) and the poller
+            if self.slow:
+                seconds = self.slow_phase_s
+            elif self.gaps is not None:
+                seconds = self.gaps.bound.allowed(self.clock())
+            else:
+                seconds = self.detect_s
+            if seconds != self._applied:
+                self.detector.set(seconds)
+                self._applied = seconds
 
 
 def build_liveness(heartbeat, detect_s: float, slow_phase_s: float, *, rank: int, size: int,
@@ -72,12 +145,14 @@ def build_liveness(heartbeat, detect_s: float, slow_phase_s: float, *, rank: int
     from recover_hsdp.collectives.detector import locate
 
     detector, why = locate(rank, size) if detect_s > 0 else (None, "")
-    phase = LivenessPhase(heartbeat, detector, detect_s=detect_s, slow_phase_s=slow_phase_s)
+    phase = LivenessPhase(heartbeat, detector, detect_s=detect_s,
+                          slow_phase_s=slow_phase_s).start()
     if log is not None and rank == 0:
         if detector is not None:
             log(f"Open MPI's detector timeout: {phase.slow_phase_s:g} s while starting and in "
-                f"slow phases, {detect_s:g} s once steady ([Note: Open MPI's detector timeout "
-                "by phase])")
+                f"slow phases, {detect_s:g} s once steady, wider where beats come late (up to "
+                f"{phase.slow_phase_s:g} s; [Note: Open MPI's detector timeout by phase], [Note: "
+                "a steady timeout learned from beat gaps])")
         elif why:
             log(f"Open MPI's detector timeout stays at its launch value: {why}; a silent host "
                 f"is found after that, not recover.timeouts.detect_s={detect_s:g} ([Note: Open "

@@ -108,10 +108,16 @@ def start_heartbeat(wiring, detect_timeout_s: float, layout, out_dir,
 
     def lost(shard: int, silent_s: float) -> None:
         rank = layout.replica * layout.ranks_per_replica + shard
-        bound = beats[0].allowed_silence(shard)
-        which = "detect_s" if bound == detect_timeout_s else (
-            "slow_phase_s (its process was seen working on this host)"
-            if shard in beats[0].working else "slow_phase_s (a slow phase)")
+        beat = beats[0]
+        bound = beat.allowed_silence(shard)
+        if shard in beat.working:
+            which = "slow_phase_s (its process was seen working on this host)"
+        elif beat.slow or beat.peer_slow[shard]:
+            which = "slow_phase_s (a slow phase)"
+        elif bound > detect_timeout_s:  # [Note: a steady timeout learned from beat gaps]
+            which = f"{beat.gaps.factor:g} x its recent largest beat gap"
+        else:
+            which = "detect_s"
         leave_replica(out_dir, layout, step_of(),
                       f"replica peer shard {shard} (rank {rank}) silent for {silent_s:.1f} s > "
                       f"{which}={bound:g} (replica heartbeat)",

@@ -481,6 +481,11 @@ class RecoverTrainer(Trainer):
         self._trained = True
 
     def close(self) -> None:
+        liveness = getattr(self, "liveness", None)
+        if liveness is not None:  # what the learned bounds cost, where they widened
+            layout = self.replica_world.layout
+            for line in liveness.close():
+                log_line(f"replica {layout.replica} shard {layout.shard}: {line}")
         manager = getattr(self, "manager", None)
         if manager is None:
             return super().close()

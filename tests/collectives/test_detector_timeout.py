@@ -145,3 +145,30 @@ def test_the_written_timeout_is_the_observers_own(tmp_path):
     assert reports[1]["timeout_s"] == TIGHT_S
     assert all(r["error_after_s"] is None for r in reports.values()), reports
     assert not math.isclose(reports[0]["timeout_s"], TIGHT_S)
+
+
+@pytest.mark.timeout(150)
+def test_a_timeout_learned_from_late_beats_survives_a_longer_silence_and_still_finds_a_freeze(
+        tmp_path):
+    """[Note: a steady timeout learned from beat gaps] with Open MPI's own detector: rank 0 holds
+    the rank it observes stopped for 2 s four times (late beats, each under the 4 s
+    ``detect_s``), then for longer than 4 s but inside the bound it learned: nobody is declared
+    dead. Then the rank freezes for good and is found, after the learned bound, before the
+    launch's wide timeout."""
+    seconds, watch_s = 4.0, 40.0
+    extra = heartbeat_detector_args(seconds, preconnect=True, start_timeout_s=watch_s)
+    job = run_mpi(3, "detector_gaps.py", [str(tmp_path), str(seconds), "4", str(watch_s)],
+                  tmp_path, timeout_s=2 * watch_s + 60, extra=extra)
+    assert job.rc is not None, job.output[-3000:]
+    reports = job.results()
+    assert sorted(reports) == [0, 1], job.output[-3000:]  # rank 2 froze and was killed
+    for rank, report in reports.items():
+        assert report["found"], (rank, report["why"])
+        assert report["steady_s"] == seconds  # no gap yet: detect_s
+        assert report["after_long_pause_failed_s"] is None, (rank, report)
+        assert report["error_after_s"] is not None and report["error_after_s"] < watch_s, report
+    observer = reports[0]
+    assert observer["learned_s"] >= 3 * seconds / 2 and observer["applied_s"] == observer["learned_s"]
+    assert observer["long_pause_s"] > seconds
+    assert seconds < observer["error_after_s"] <= observer["bound_before_freeze_s"] + seconds
+    assert observer["gaps"] and "Open MPI's detector" in observer["gaps"][0]
