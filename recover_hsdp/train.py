@@ -10,7 +10,9 @@ stderr and exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 
 from recover_hsdp.errors import ConfigError  # standard library only: nothing before MPI_Init
@@ -96,6 +98,35 @@ def _start_record(argv: list[str], exited: str | None = None) -> None:
         pass
 
 
+@contextlib.contextmanager
+def _bounded_mpi_init(environ=os.environ):
+    """[Note: a bounded MPI_Init] Open MPI 5.0's detector thread sends its first heartbeat from
+    inside MPI_Init, right after the modex fence, to a peer that may not have left that fence
+    yet; such a peer has not registered the message's handler and jumps to it (NULL), and the
+    others crash on its failure notice ("Failing at address: (nil)", then
+    ``ompi_comm_revoke_local``: benchmarks/README.md "False deaths"). A rank whose own detector
+    thread is then connecting to a dead peer waits in ``PMIx_Get`` for its address forever,
+    and MPI_Init with it (its main thread spinning until the thread reports in): measured once,
+    the attempt alive 10 minutes later with that one rank, mpirun never ending, so the relaunch
+    tier never saw it end. MPI_Init gives no timeout, and the main thread is inside one C call
+    holding the GIL, so no Python thread can end it. So the rank arms ``SIGALRM`` (its default
+    action ends the process; nothing here installs a handler) for ``recover.timeouts.hang_s``
+    (the launcher exports it: ``INIT_DEADLINE_ENV``), the bound the user set for a rank that
+    shows no progress, and disarms it when MPI_Init returns. A rank that outlives it dies as a
+    crashed start-up rank, the attempt ends, and the relaunch tier starts it again as it was
+    (cli/relaunch.py, ``init_crashes``)."""
+    from recover_hsdp.collectives.mpirun import INIT_DEADLINE_ENV  # stdlib only
+
+    seconds = int(environ.get(INIT_DEADLINE_ENV, "0") or 0)
+    if seconds > 0:
+        signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        if seconds > 0:
+            signal.alarm(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     mpirun = "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ
@@ -108,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
         # (recover.timeouts.detect_s) then runs on every rank from the start, and the ranks
         # reach MPI_Init close together: Open MPI's detector thread starts early in MPI_Init and
         # a rank waiting there for a late peer misses its beats ([Note: detection margins by
-        # phase] in groups/heartbeat.py).
-        import recover_hsdp.collectives.mpi  # noqa: F401
+        # phase] in groups/heartbeat.py). Within a deadline: [Note: a bounded MPI_Init].
+        with _bounded_mpi_init():
+            import recover_hsdp.collectives.mpi  # noqa: F401
         _start_record(argv)
     try:
         config_file = _config_file(argv)

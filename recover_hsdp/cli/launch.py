@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import math
 import os
 import shutil
 import socket
@@ -38,7 +39,8 @@ from recover_hsdp.config import (
     warn_deprecated,
 )
 from recover_hsdp.outputs import start_afresh
-from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, GPUS_PER_NODE_ENV, RANKS_PER_GPU_ENV,
+from recover_hsdp.collectives.mpirun import (EXPORTED_ENV, GPUS_PER_NODE_ENV, INIT_DEADLINE_ENV,
+                                             RANKS_PER_GPU_ENV,
                                              check_ulfm_mpirun, daemon_keepalive_args,
                                              default_mpirun,
                                              gpu_placement_args, heartbeat_detector_args,
@@ -175,6 +177,8 @@ def _launcher(args: argparse.Namespace, job, ranks: int) -> list[str]:
         return [torchrun, "--standalone", "--nproc_per_node", str(ranks)]
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **OFFLINE}
     timeouts = job.recover.timeouts
+    if not args.stock:  # [Note: a bounded MPI_Init] in train.py
+        env[INIT_DEADLINE_ENV] = str(math.ceil(timeouts.hang_s))
     preconnect = ranks <= timeouts.preconnect_max_ranks
     # Open MPI starts with the start-up margin; each rank tightens it once steady ([Note:
     # Open MPI's detector timeout by phase] in collectives/detector.py)

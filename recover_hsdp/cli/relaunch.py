@@ -191,9 +191,12 @@ def init_crashes(log_text: str, progressed: bool) -> int:
     communicator that does not exist yet), in an attempt that made no step. Seen as Open MPI's
     start-up crash (docs/ULFM_NOTES.md "The detector at start-up"): one rank jumps to a NULL
     pointer ("Failing at address: (nil)"), every other rank crashes on its failure notice;
-    the likely cause, from the source and not reproduced, is a rank's detector thread sending
-    its first heartbeat in the middle of MPI_Init to an observer that has not yet registered
-    the receiver. No margin changes it."""
+    the cause, from the source and a live rank's stacks (gdb, 2026-12-07: the detector thread
+    in ``ompi_comm_start_detector`` sending while the main thread is still in
+    ``ompi_comm_failure_detector_init``), is a rank's detector thread sending its first
+    heartbeat from inside MPI_Init to an observer that has not yet registered the receiver.
+    No margin changes it; a rank left waiting inside MPI_Init ends at its deadline ([Note: a
+    bounded MPI_Init] in train.py), so the attempt does end."""
     return 0 if progressed else log_text.count(_INIT_CRASH)
 
 

@@ -211,6 +211,10 @@ def mpirun_prefix(nprocs: int | None = None, *, mpirun: str | None = None, overs
 
 # ---------------------------------------------------------------- placement on GPU hosts
 
+INIT_DEADLINE_ENV = "RECOVER_HSDP_INIT_DEADLINE_S"
+"""Seconds a rank may spend inside MPI_Init (the launcher exports ``recover.timeouts.hang_s``):
+[Note: a bounded MPI_Init] in recover_hsdp/train.py."""
+
 RANKS_PER_GPU_ENV = "RECOVER_HSDP_RANKS_PER_GPU"
 """The one setting that lets several ranks share a GPU (``recover-hsdp train --ranks-per-gpu``;
 for a check on a 1-GPU machine). Default 1: a host with more ranks than GPUs is refused."""
