@@ -135,8 +135,10 @@ def main() -> None:
     parser.add_argument("--numbering", default="node", choices=("node", "slot"),
                         help="MPI rank numbering: round-robin over hosts or host by host "
                              "(mpirun's default)")
+    parser.add_argument("--results", default="detection.json",
+                        help="file under benchmarks/results (scenarios not run keep their entry)")
     args = parser.parse_args()
-    path = REPO / "benchmarks" / "results" / "detection.json"
+    path = REPO / "benchmarks" / "results" / args.results
     report = json.loads(path.read_text()) if path.exists() else {}
     for scenario in args.scenarios.split(","):
         runs = []

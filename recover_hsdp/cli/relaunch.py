@@ -231,12 +231,13 @@ def wider_margins(detect_s: float, slow_phase_s: float, found: int,
 def ends_the_same_way(start_records: dict[int, dict], progressed: bool,
                       newly_lost: int) -> str | None:
     """Why a relaunch would end the same way, or None: the attempt committed no step, lost no
-    host, and every rank left through a configuration error (exit code 2, one line on stderr).
-    Anything else before the first step (a crash inside MPI_Init, a start-up death) may be
-    transient: relaunched, within ``max_relaunches``."""
+    host, and a rank left through a configuration error (exit code 2, one line on stderr):
+    the relaunch keeps the hosts and the configuration, so that rank refuses again, whatever
+    the others did (mpirun may end them before their own line). Anything else before the first
+    step (a crash inside MPI_Init, a start-up death) may be transient: relaunched, within
+    ``max_relaunches``."""
     reasons = [r.get("exited", "") for r in start_records.values()]
-    if progressed or newly_lost or not reasons or \
-            not all(r.startswith("SystemExit: 2") for r in reasons):
+    if progressed or newly_lost or not any(r.startswith("SystemExit: 2") for r in reasons):
         return None
     return ("every rank stopped on a configuration error before the first step (see the "
             "log above): not relaunched")

@@ -63,12 +63,13 @@ its last beat is working, not dead: its heartbeat thread is starved (the main th
 GIL in one long C call, the host is oversubscribed: the steady-state false deaths measured in
 benchmarks/README.md "False deaths" were silences of 4.0-4.1 s under load), so it is given
 ``slow_timeout_s`` like a peer in a slow phase. A peer that is gone, stopped, a zombie, or has
-used no CPU since its last beat is judged by ``timeout_s`` as before, and a peer on another
-host (no witness) too. Cost: a frozen rank's detection is unchanged (SIGSTOP stops its CPU
-clock and shows T), a dead one's too (its pid is gone); a live rank that spins without beating
-(a busy deadlock holding the GIL) is found after ``slow_timeout_s`` instead of ``timeout_s``
-(the hang watchdog's bound is usually longer still). One read of the peer's stat per beat
-received and per check of a silent peer.
+used no CPU since its last beat is judged by its silence alone as before (``timeout_s``, or
+the bound learned from its gaps), and a peer on another host (no witness) too. Cost: a frozen
+rank's detection is unchanged (SIGSTOP stops its CPU clock and shows T), a dead one's too
+(its pid is gone); a live rank that spins without beating (a busy deadlock holding the GIL)
+is found after ``slow_timeout_s`` instead of ``timeout_s`` (the hang watchdog's bound is
+usually longer still). One read of the peer's stat per beat received and per check of a
+silent peer.
 
 Standard library only; the logic (``received``, ``overdue``) takes the time as an argument, so
 tests drive it with a fake clock.

@@ -120,8 +120,11 @@ def test_plan_uses_standby_hosts_keeps_replicas_that_fit_and_is_bounded():
     config = {r: {"host": "n0", "exited": "SystemExit: 2"} for r in range(3)}
     assert "configuration error" in ends_the_same_way(config, False, 0)
     assert ends_the_same_way(config, True, 0) is None          # it trained: relaunch
-    crashed = {**config, 1: {"host": "n1"}}                     # a rank crashed: relaunch
-    assert ends_the_same_way(crashed, False, 0) is None
+    crashed = {**config, 1: {"host": "n1"}}       # one ended by mpirun: the others refuse again
+    assert "configuration error" in ends_the_same_way(crashed, False, 0)
+    assert ends_the_same_way(crashed, False, 1) is None        # a host lost: relaunch without it
+    started = {r: {"host": "n0"} for r in range(3)}            # a start-up crash: relaunch
+    assert ends_the_same_way(started, False, 0) is None
     assert ends_the_same_way({}, False, 0) is None             # died inside MPI_Init: relaunch
     one_host = [HostEntry("me", "me")]              # no hostfile: mpirun oversubscribes
     assert plan_relaunch(one_host, {}, 2, 3, None, 0, 0, 1).replicas == 3
