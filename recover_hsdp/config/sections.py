@@ -91,7 +91,9 @@ class Timeouts:
     timeout by phase] in collectives/detector.py). A dead process is still found at once (its
     sockets close); a frozen rank or a silent host during such a phase waits this long. Default
     30 s: above the longest beat gap measured at a loaded start-up (docs/failures.md), far below
-    ``hang_s``."""
+    ``hang_s``. Also the cap of the steady bound each observer learns from late beats (3 x the
+    largest gap of the last minute, never below ``detect_s``: [Note: a steady timeout learned
+    from beat gaps] in groups/gap_bound.py); set it to ``detect_s`` for no margin at all."""
 
     preconnect_max_ranks: int = 512
     """Jobs of at most this many ranks open every MPI connection inside MPI_Init
