@@ -10,12 +10,12 @@ SIGKILLs rank 2 so the job ends.
     detector_gaps.py OUT_DIR SECONDS PAUSES WATCH_S
 """
 
-import json
 import os
 import signal
 import sys
 import time
 
+from frozen_rank import report_and_end, seconds_until_failed
 from recover_hsdp.collectives import detector
 from recover_hsdp.collectives.mpi import MPI
 from recover_hsdp.groups.liveness import LivenessPhase
@@ -33,19 +33,6 @@ pids = comm.allgather(os.getpid())
 frozen = size - 1
 
 
-def wait(request, limit_s):
-    """Seconds until ``request`` failed, or None (completed, or still waiting after limit)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        try:
-            if request.Test():
-                return None
-        except MPI.Exception:
-            return time.monotonic() - t0
-        time.sleep(0.01)
-    return None
-
-
 if rank == 0:
     for _ in range(pauses):  # silences under ``seconds``: the bound learns from them
         time.sleep(seconds / 4)
@@ -60,17 +47,12 @@ if rank == 0:
     os.kill(pids[frozen], signal.SIGSTOP)
     time.sleep(long)
     os.kill(pids[frozen], signal.SIGCONT)
-report["after_long_pause_failed_s"] = wait(comm.Ibarrier(), watch_s)
+report["after_long_pause_failed_s"] = seconds_until_failed(comm.Ibarrier(), watch_s)
 time.sleep(seconds / 2)  # the long pause's gap ends with a beat; the poller reads it
 report["bound_before_freeze_s"] = phase.gaps.bound.allowed(time.monotonic())
 comm.Barrier()
 if rank == frozen:
     os.kill(os.getpid(), signal.SIGSTOP)
-report["error_after_s"] = wait(comm.Ibarrier(), watch_s)
+report["error_after_s"] = seconds_until_failed(comm.Ibarrier(), watch_s)
 report["gaps"] = phase.close()
-with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump(report, f)
-if rank == 0:
-    time.sleep(0.5)  # the others write their reports
-    os.kill(pids[frozen], signal.SIGKILL)
-os._exit(0)
+report_and_end(out, rank, report, pids[frozen])

@@ -6,12 +6,12 @@ failed; rank 0 then SIGKILLs the frozen rank so the job ends.
     detector_timeout.py OUT_DIR SECONDS TIGHTEN(comma list of ranks) WATCH_S
 """
 
-import json
 import os
 import signal
 import sys
 import time
 
+from frozen_rank import report_and_end, seconds_until_failed
 from recover_hsdp.collectives import detector
 from recover_hsdp.collectives.mpi import MPI
 
@@ -29,20 +29,5 @@ frozen = size - 1
 if rank == frozen:
     time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGSTOP)
-t0 = time.monotonic()
-request = comm.Ibarrier()
-report["error_after_s"] = None
-while time.monotonic() - t0 < watch_s:
-    try:
-        if request.Test():
-            break
-    except MPI.Exception:
-        report["error_after_s"] = time.monotonic() - t0
-        break
-    time.sleep(0.01)
-with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump(report, f)
-if rank == 0:
-    time.sleep(0.5)  # the others write their reports
-    os.kill(pids[frozen], signal.SIGKILL)
-os._exit(0)
+report["error_after_s"] = seconds_until_failed(comm.Ibarrier(), watch_s)
+report_and_end(out, rank, report, pids[frozen])
