@@ -23,11 +23,12 @@ from recover_hsdp.groups.gap_bound import GapBound
 
 class DetectorGaps:
     """The gaps between the beats Open MPI's detector received from the rank this rank
-    observes, read off its state (``DetectorTimeout.last_beat``) every ``poll_s``, into
-    ``bound``. A gap counts only if this poller saw both of its beats no more than
-    ``period_s`` apart (a poller held longer may have missed a beat between them and would
-    see two gaps as one); a change of the rank observed (a ring re-link) starts over, and so
-    does a stamp that went back (Open MPI's slack after a re-link is a time in the future)."""
+    observes, read off its state (``DetectorTimeout.last_beat``) at each :meth:`poll`
+    (``LivenessPhase`` polls every ``detect_s / 16``), into ``bound``. A gap counts only if
+    the poll that saw its new beat came at most ``period_s`` after the last poll that saw the
+    old one (a poller held longer may have missed a beat between them and would see two gaps
+    as one); a change of the rank observed (a ring re-link) starts over, and so does a stamp
+    that went back (Open MPI's slack after a re-link is a time in the future)."""
 
     def __init__(self, detector, bound: GapBound, period_s: float):
         self.detector, self.bound, self.period_s = detector, bound, period_s
