@@ -84,7 +84,8 @@ class LivenessPhase:
     def poll(self) -> None:
         """One read of Open MPI's last beat, and the timeout it implies written."""
         if self.gaps is not None:
-            self.gaps.poll(self.clock())
+            with self._lock:  # the bound's window is read by the main thread's _apply
+                self.gaps.poll(self.clock())
             self._apply()
 
     def close(self) -> list[str]:

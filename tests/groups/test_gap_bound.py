@@ -91,6 +91,20 @@ def test_the_phase_writes_the_learned_bound_once_steady_only():
     assert "3.0 s apart" in phase.close()[0]
 
 
+def test_a_poll_holds_the_lock_the_main_threads_apply_takes():
+    """The poller appends to the bound's window while the main thread's ``steady`` reads it."""
+    held = []
+
+    class Watched(FakeOpenMPI):
+        def last_beat(self):
+            held.append(phase._lock.locked())
+            return super().last_beat()
+
+    phase = LivenessPhase(None, Watched(), detect_s=4, slow_phase_s=30)
+    phase.poll()
+    assert held == [True]
+
+
 def test_the_poller_thread_reads_and_stops():
     mpi = FakeOpenMPI()
     phase = LivenessPhase(None, mpi, detect_s=1.6, slow_phase_s=30).start()
