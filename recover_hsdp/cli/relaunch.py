@@ -239,8 +239,8 @@ def ends_the_same_way(start_records: dict[int, dict], progressed: bool,
     reasons = [r.get("exited", "") for r in start_records.values()]
     if progressed or newly_lost or not any(r.startswith("SystemExit: 2") for r in reasons):
         return None
-    return ("every rank stopped on a configuration error before the first step (see the "
-            "log above): not relaunched")
+    return ("a rank stopped on a configuration error before the first step (see the log "
+            "above): not relaunched")
 
 
 def replicas_that_fit(entries: list[HostEntry], ranks_per_replica: int, wanted: int,

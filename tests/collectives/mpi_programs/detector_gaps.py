@@ -31,8 +31,6 @@ phase.steady()
 report["steady_s"] = found and found.seconds
 pids = comm.allgather(os.getpid())
 frozen = size - 1
-
-
 if rank == 0:
     for _ in range(pauses):  # silences under ``seconds``: the bound learns from them
         time.sleep(seconds / 4)
